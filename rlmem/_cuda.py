@@ -1,0 +1,290 @@
+"""Checked wrappers over ``cuda.bindings.driver`` and the CUDA backend of :class:`rlmem.Region`.
+
+The driver module is imported on first use, so ``import rlmem`` works on machines without a GPU or driver.
+Physical memory is managed with CUDA virtual memory management: a virtual range is reserved once and physical
+chunks are created, mapped and released under it, so addresses never move.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .errors import CudaError
+
+_driver: Any = None
+_lock = threading.Lock()
+_primary_ctx: dict[int, Any] = {}
+_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+def driver() -> Any:
+    """Return ``cuda.bindings.driver``, importing it and calling ``cuInit`` the first time."""
+    global _driver
+    if _driver is None:
+        with _lock:
+            if _driver is None:
+                try:
+                    from cuda.bindings import driver as d
+                except ImportError as e:  # pragma: no cover - depends on the install
+                    raise RuntimeError(
+                        "rlmem's CUDA backend needs the 'cuda-bindings' package (pip install cuda-bindings)"
+                    ) from e
+                _check("cuInit", d.cuInit(0), d)
+                _driver = d
+    return _driver
+
+
+def _check(name: str, result: Any, d: Any) -> Any:
+    err = result[0]
+    if err != d.CUresult.CUDA_SUCCESS:
+        code = int(err)
+        text = "unknown error"
+        try:
+            res = d.cuGetErrorString(err)
+            if res[0] == d.CUresult.CUDA_SUCCESS and res[1]:
+                text = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+        except Exception:
+            pass
+        raise CudaError(name, code, text)
+    if len(result) == 1:
+        return None
+    if len(result) == 2:
+        return result[1]
+    return result[1:]
+
+
+def call(name: str, *args: Any) -> Any:
+    """Call driver function ``name`` and raise :class:`rlmem.errors.CudaError` unless it succeeds."""
+    d = driver()
+    return _check(name, getattr(d, name)(*args), d)
+
+
+def primary_context(index: int) -> Any:
+    """The primary context of device ``index``: the one PyTorch's runtime uses."""
+    ctx = _primary_ctx.get(index)
+    if ctx is None:
+        with _lock:
+            ctx = _primary_ctx.get(index)
+            if ctx is None:
+                dev = call("cuDeviceGet", index)
+                ctx = call("cuDevicePrimaryCtxRetain", dev)
+                _primary_ctx[index] = ctx
+    return ctx
+
+
+@contextmanager
+def context(index: int) -> Iterator[None]:
+    """Make device ``index``'s primary context current for driver calls, restoring the caller's after."""
+    call("cuCtxPushCurrent", primary_context(index))
+    try:
+        yield
+    finally:
+        call("cuCtxPopCurrent")
+
+
+def copy_streams(index: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The dedicated (device-to-host, host-to-device) copy streams of device ``index``.
+
+    Two streams, so an offload and a reload can use both directions of the link at once.
+    """
+    pair = _streams.get(index)
+    if pair is None:
+        with _lock:
+            pair = _streams.get(index)
+            if pair is None:
+                pair = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))
+                _streams[index] = pair
+    return pair
+
+
+def host_register(ptr: int, nbytes: int, index: int) -> None:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for DMA, usable from every context."""
+    d = driver()
+    with context(index):
+        call("cuMemHostRegister", ptr, nbytes, d.CU_MEMHOSTREGISTER_PORTABLE)
+
+
+def host_unregister(ptr: int, index: int) -> None:
+    with context(index):
+        call("cuMemHostUnregister", ptr)
+
+
+class _CudaArray:
+    """Exposes a device range through ``__cuda_array_interface__`` and keeps its owner alive."""
+
+    __slots__ = ("__cuda_array_interface__", "owner")
+
+    def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 2,
+        }
+        self.owner = owner
+
+
+class CudaBackend:
+    """Physical memory of one Region on one CUDA device, managed chunk by chunk.
+
+    The object owns the virtual reservation: the Region's base tensor keeps it alive, so the address range is
+    freed only once the Region and every tensor carved from it are gone (a freed range could be handed to
+    another allocation while stale views still point into it).
+    """
+
+    kind = "cuda"
+    asynchronous = True
+    pinned_backup = True
+
+    def __init__(self, index: int) -> None:
+        d = driver()
+        torch.cuda.init()
+        self.index = index
+        self.device = torch.device("cuda", index)
+        loc = d.CUmemLocation()
+        loc.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        loc.id = index
+        prop = d.CUmemAllocationProp()
+        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location = loc
+        access = d.CUmemAccessDesc()
+        access.location = loc
+        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._prop = prop
+        self._access = [access]
+        with context(index):
+            self.granularity = int(
+                call(
+                    "cuMemGetAllocationGranularity",
+                    prop,
+                    d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+                )
+            )
+        self._d2h, self._h2d = copy_streams(index)
+        self._d2h_handle = d.CUstream(self._d2h.cuda_stream)
+        self._h2d_handle = d.CUstream(self._h2d.cuda_stream)
+        self._ptr = 0
+        self._size = 0
+        self._handles: dict[int, tuple[Any, int]] = {}
+
+    # -- address range -------------------------------------------------------------------------------
+    def open(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` of virtual addresses (nothing is mapped yet)."""
+        with context(self.index):
+            self._ptr = int(call("cuMemAddressReserve", nbytes, self.granularity, 0, 0))
+        self._size = nbytes
+
+    def base_tensor(self) -> torch.Tensor:
+        """A uint8 tensor over the whole range; call once the range is mapped (torch reads the pointer's
+        device from the mapping)."""
+        t = torch.as_tensor(_CudaArray(self._ptr, self._size, self), device=self.device)
+        assert t.data_ptr() == self._ptr and t.device == self.device
+        return t
+
+    @property
+    def ptr(self) -> int:
+        return self._ptr
+
+    # -- physical chunks -----------------------------------------------------------------------------
+    def map(self, offset: int, size: int) -> None:
+        """Create ``size`` bytes of physical memory and map them at ``offset``; undo on failure."""
+        with context(self.index):
+            handle = call("cuMemCreate", size, self._prop, 0)
+            ptr = self._ptr + offset
+            try:
+                call("cuMemMap", ptr, size, 0, handle, 0)
+                try:
+                    call("cuMemSetAccess", ptr, size, self._access, 1)
+                except BaseException:
+                    call("cuMemUnmap", ptr, size)
+                    raise
+            except BaseException:
+                call("cuMemRelease", handle)
+                raise
+        self._handles[offset] = (handle, size)
+
+    def unmap(self, offset: int) -> None:
+        """Unmap the chunk at ``offset`` and release its physical memory."""
+        handle, size = self._handles.pop(offset)
+        with context(self.index):
+            call("cuMemUnmap", self._ptr + offset, size)
+            call("cuMemRelease", handle)
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device."""
+        with context(self.index):
+            free, total = call("cuMemGetInfo")
+        return int(free), int(total)
+
+    def reclaim_cache(self) -> None:
+        """Return PyTorch's cached, unused blocks to the driver (before retrying a failed map)."""
+        with torch.cuda.device(self.index):
+            torch.cuda.empty_cache()
+
+    # -- ordering and copies -------------------------------------------------------------------------
+    def thread_setup(self) -> None:
+        torch.cuda.set_device(self.index)
+
+    def order(self, extra: torch.cuda.Event | None = None) -> list[torch.cuda.Event]:
+        """Events marking the work queued so far on the caller's current stream (and ``extra``)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return [ev] if extra is None else [ev, extra]
+
+    def wait(self, token: Any) -> None:
+        if token is None:
+            return
+        for ev in token if isinstance(token, list) else [token]:
+            ev.synchronize()
+
+    def begin_out(self, after: list[torch.cuda.Event]) -> None:
+        for ev in after:
+            self._d2h.wait_event(ev)
+
+    def copy_out(self, offset: int, size: int, host: torch.Tensor) -> torch.cuda.Event:
+        """Queue a copy of the chunk at ``offset`` to pinned ``host``; return its completion event."""
+        with context(self.index):
+            call("cuMemcpyDtoHAsync", host.data_ptr(), self._ptr + offset, size, self._d2h_handle)
+        ev = torch.cuda.Event()
+        ev.record(self._d2h)
+        return ev
+
+    def copy_in(self, offset: int, size: int, host: torch.Tensor) -> None:
+        with context(self.index):
+            call("cuMemcpyHtoDAsync", self._ptr + offset, host.data_ptr(), size, self._h2d_handle)
+
+    def mark_in(self, timing: bool = False) -> torch.cuda.Event:
+        """An event on the host-to-device stream after the copies queued so far."""
+        ev = torch.cuda.Event(enable_timing=timing)
+        ev.record(self._h2d)
+        return ev
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    # -- teardown -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release every mapped chunk. The address range itself is freed with this object."""
+        for offset in list(self._handles):
+            self.unmap(offset)
+
+    def __del__(self) -> None:
+        # Runs when the Region and every view of it are gone; at interpreter exit the driver may be gone too.
+        try:
+            if self._handles:
+                torch.cuda.synchronize(self.device)
+                self.close()
+            if self._ptr:
+                with context(self.index):
+                    call("cuMemAddressFree", self._ptr, self._size)
+                self._ptr = 0
+        except Exception:
+            pass

@@ -1,0 +1,121 @@
+"""What every rlmem benchmark shares: the machine's description, timing, the table and the JSON file."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import time
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_name(device: torch.device) -> str:
+    """A short name for the machine, like ``nvidia-h100-x1`` or ``cpu``."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    m = re.search(r"\b([a-z]+\d{2,4}[a-z]?)\b", name)
+    model = m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    return f"nvidia-{model}-x{torch.cuda.device_count()}"
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Device, versions, host and date, for the JSON header of a benchmark."""
+    from .. import __version__
+
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {
+            "rlmem": __version__,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cuda_bindings": _version("cuda-bindings"),
+            "python": platform.python_version(),
+        },
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            env["host"]["mem_total_bytes"] = int(f.readline().split()[1]) * 1024
+    except OSError:
+        pass
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["device"] = {
+            "type": "cuda",
+            "name": props.name,
+            "index": device.index,
+            "count": torch.cuda.device_count(),
+            "total_memory_bytes": props.total_memory,
+            "capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+        }
+        try:
+            from .._cuda import call
+
+            v = int(call("cuDriverGetVersion"))
+            env["versions"]["driver_cuda"] = f"{v // 1000}.{(v % 1000) // 10}"
+        except Exception:
+            pass
+    else:
+        env["device"] = {"type": "cpu", "name": platform.processor() or platform.machine()}
+    return env
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``fn`` takes, device work included."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """Render ``rows`` as a text table; ``columns`` are (key, header, format spec)."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        line = []
+        for key, _, spec in columns:
+            v = r.get(key)
+            line.append("-" if v is None else format(v, spec))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    out = []
+    for k, c in enumerate(cells):
+        out.append("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return p

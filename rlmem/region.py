@@ -1,0 +1,650 @@
+"""Region: a fixed range of device addresses whose physical memory can be given back and taken again.
+
+Tensors carved from a Region keep their ``data_ptr()`` for the Region's whole life. ``pause()`` releases the
+physical memory (after copying the contents to a reusable pinned host backup if asked to), ``resume()`` maps
+fresh memory at the same addresses and copies the contents back. Views, optimizer references and captured
+CUDA graphs stay valid across the cycle.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ._host import HostBackend
+from ._pinned import HostBuffer
+from .errors import CudaError, OutOfMemoryError, RegionClosedError
+
+__all__ = ["Handle", "Region", "RegionStats"]
+
+_DEFAULT_CHUNK = 256 << 20
+_DEFAULT_ALIGN = 256
+
+# Chunk states.
+_MAPPED = 0  # physical memory mapped; contents live on the device
+_SAVED = 1  # released; contents kept in the host backup
+_EMPTY = 2  # released; contents discarded
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _resolve_device(device: Any) -> torch.device:
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = torch.device("cuda", device)
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(
+            f"device must be 'cpu', 'cuda', 'cuda:N', an int or a torch.device; got {device!r}"
+        ) from e
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device must be a CUDA device or 'cpu'; got {device!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"Region(device={device!r}): CUDA is not available on this machine; "
+            "use device='cpu' for the host backend"
+        )
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"device {device!r} does not exist: this machine has {count} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def _make_backend(dev: torch.device) -> Any:
+    if dev.type == "cpu":
+        return HostBackend()
+    from ._cuda import CudaBackend
+
+    return CudaBackend(dev.index)
+
+
+def _is_oom(e: BaseException) -> bool:
+    from ._cuda import CUDA_ERROR_OUT_OF_MEMORY
+
+    return isinstance(e, CudaError) and e.code == CUDA_ERROR_OUT_OF_MEMORY
+
+
+@dataclass(frozen=True)
+class RegionStats:
+    """A snapshot of a Region's sizes and its last pause and resume.
+
+    Times are wall-clock seconds from the call until the memory was released (pause) or the contents were
+    back on the device (resume); ``*_gbps`` is bytes copied over that time, in GB/s (1e9 bytes per second).
+    Figures of a non-blocking resume that has not finished yet are None.
+    """
+
+    name: str
+    device: str
+    nbytes: int
+    chunk_bytes: int
+    used_bytes: int
+    resident_bytes: int
+    backup_bytes: int
+    paused: bool
+    pauses: int
+    resumes: int
+    last_pause_kept: bool | None
+    last_pause_bytes: int
+    last_pause_s: float | None
+    last_pause_gbps: float | None
+    last_resume_bytes: int
+    last_resume_s: float | None
+    last_resume_gbps: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Handle:
+    """Completion of a :meth:`Region.pause` or :meth:`Region.resume`.
+
+    ``wait()`` makes the result usable by the caller: after a pause the memory has been released; after a
+    resume the caller's current CUDA stream (or ``stream``) is ordered after the copies, without blocking
+    the host, so work queued before it overlaps the copy. ``synchronize()`` blocks the host until all of it
+    is done. A failure inside a non-blocking operation is raised by ``wait()`` and ``synchronize()``.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        thread: threading.Thread | None = None,
+        event: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.kind = kind
+        self._thread = thread
+        self._event = event
+        self._device = device
+        self.error: BaseException | None = None
+        self.observed = False
+
+    def done(self) -> bool:
+        """True once the operation has completed (never blocks)."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        return self._event is None or bool(self._event.query())
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            self.observed = True
+            raise self.error
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Order ``stream`` (default: the current stream) after the operation; see the class docstring."""
+        self._join()
+        if self._event is not None:
+            (stream or torch.cuda.current_stream(self._device)).wait_event(self._event)
+
+    def synchronize(self) -> None:
+        """Block the host until the operation is complete."""
+        self._join()
+        if self._event is not None:
+            self._event.synchronize()
+
+    def __repr__(self) -> str:
+        return f"<rlmem.Handle {self.kind} {'done' if self.done() else 'pending'}>"
+
+
+class Region:
+    """A fixed range of device memory that can be paused (physical memory released) and resumed.
+
+    Args:
+        nbytes: size of the range; rounded up to the device's allocation granularity (2 MiB on recent
+            NVIDIA GPUs, a page on the host).
+        device: ``"cuda"`` (the current device), ``"cuda:N"``, an int, a ``torch.device``, or ``"cpu"`` for
+            the host backend (same semantics on an anonymous mapping; for CPU-only machines and tests).
+        chunk_bytes: unit of mapping, copying and release (default: 256 MiB, at most ``nbytes``); rounded
+            up to the granularity. Memory is given back chunk by chunk as each chunk's copy completes.
+        name: a label for errors, stats and reports.
+
+    Raises:
+        ValueError: an argument is out of range.
+        RuntimeError: CUDA was asked for but is not available.
+        OutOfMemoryError: the device cannot provide ``nbytes``.
+
+    Example:
+        >>> region = Region(64 << 20, device="cpu")
+        >>> w = region.empty((1024, 1024), torch.float32)
+        >>> _ = w.fill_(1.5)
+        >>> _ = region.pause()          # contents to host backup, memory released
+        >>> _ = region.resume()         # same addresses, same bytes
+        >>> float(w[3, 7])
+        1.5
+    """
+
+    def __init__(
+        self,
+        nbytes: int,
+        device: str | int | torch.device = "cuda",
+        *,
+        chunk_bytes: int | None = None,
+        name: str = "",
+    ) -> None:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        if chunk_bytes is not None and (
+            not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0
+        ):
+            raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
+        if not isinstance(name, str):
+            raise ValueError(f"name must be a str, got {type(name).__name__}")
+        self.name = name
+        self._lock = threading.RLock()
+        self._closed = True  # until fully built, so a failed construction leaves nothing usable
+        dev = _resolve_device(device)
+        backend = _make_backend(dev)
+        gran = backend.granularity
+        capacity = _round_up(nbytes, gran)
+        chunk = min(_round_up(chunk_bytes or _DEFAULT_CHUNK, gran), capacity)
+        self._device = dev
+        self._backend = backend
+        self._nbytes = capacity
+        self._chunk = chunk
+        self._chunks = [(off, min(chunk, capacity - off)) for off in range(0, capacity, chunk)]
+        self._state = [_EMPTY] * len(self._chunks)
+        backend.open(capacity)
+        try:
+            self._map_chunks(range(len(self._chunks)), what="Region()")
+        except BaseException:
+            backend.close()
+            raise
+        self._state = [_MAPPED] * len(self._chunks)
+        self._base = backend.base_tensor()
+        self._ptr = backend.ptr
+        self._used = 0
+        self._paused = False
+        self._backup: HostBuffer | None = None
+        self._op: Handle | None = None  # a non-blocking pause/resume whose worker may still run
+        self._resume_done: Any = None  # event after the last resume's copies (CUDA)
+        self._pauses = 0
+        self._resumes = 0
+        self._last_pause: dict[str, Any] = {"kept": None, "bytes": 0, "s": None}
+        self._last_resume: dict[str, Any] = {"bytes": 0, "s": None, "events": None}
+        self._closed = False
+
+    # -- properties ----------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the range in bytes (after rounding up to the granularity)."""
+        return self._nbytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._chunk
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes handed out by :meth:`empty` so far, alignment padding included."""
+        return self._used
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of physical memory currently mapped (falls chunk by chunk during a pause)."""
+        return sum(size for (_, size), st in zip(self._chunks, self._state, strict=True) if st == _MAPPED)
+
+    @property
+    def backup_bytes(self) -> int:
+        """Bytes of host backup held (kept across cycles so later pauses pin nothing)."""
+        b = self._backup
+        return b.nbytes if b is not None and b.alive else 0
+
+    @property
+    def paused(self) -> bool:
+        """True from a ``pause()`` call until the next ``resume()``."""
+        return self._paused
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of the start of the range; fixed for the Region's life."""
+        return self._ptr
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("paused" if self._paused else "resident")
+        return (
+            f"Region(name={self.name!r}, device={str(self._device)!r}, nbytes={self._nbytes}, "
+            f"used={self._used}, {state})"
+        )
+
+    # -- allocation ----------------------------------------------------------------------------------
+    def empty(
+        self,
+        shape: int | Sequence[int],
+        dtype: torch.dtype | None = None,
+        *,
+        align: int = _DEFAULT_ALIGN,
+    ) -> torch.Tensor:
+        """Carve an uninitialised, contiguous tensor out of the Region (bump allocation).
+
+        Its ``data_ptr()`` never changes for the life of the Region. Tensors are not freed one by one; the
+        whole range goes with the Region.
+
+        Args:
+            shape: an int or a sequence of non-negative ints.
+            dtype: element type (default: ``torch.get_default_dtype()``).
+            align: byte alignment of the start, a power of two (default 256, like ``cudaMalloc``).
+
+        Raises:
+            ValueError: bad shape, dtype or align, or not enough room left (the message gives the sizes).
+            RegionClosedError: the Region is closed.
+        """
+        self._check_open()
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in dims):
+            raise ValueError(f"shape must be an int or a sequence of non-negative ints, got {shape!r}")
+        if dtype is None:
+            dtype = torch.get_default_dtype()
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ValueError(f"align must be a positive power of two, got {align!r}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        need = math.prod(dims) * itemsize
+        with self._lock:
+            offset = _round_up(self._used, max(align, itemsize))
+            if offset + need > self._nbytes:
+                raise ValueError(
+                    f"Region {self.name!r} is out of room: empty({list(dims)}, {dtype}) needs {need} "
+                    f"bytes at offset {offset}, but only {max(self._nbytes - offset, 0)} of "
+                    f"{self._nbytes} bytes are left"
+                )
+            self._used = offset + need
+        return self._base[offset : offset + need].view(dtype).view(dims)
+
+    # -- pause ---------------------------------------------------------------------------------------
+    def pause(self, *, keep: bool = True, blocking: bool = True) -> Handle:
+        """Release the Region's physical memory, first copying its contents to host memory if ``keep``.
+
+        The copy is ordered after the work already queued on the caller's current stream (and after a
+        previous non-blocking resume). Work on other streams that touches the Region must be ordered before
+        the call by the caller. Chunks are released one by one as their copies complete. Calling it on a
+        paused Region does nothing.
+
+        Args:
+            keep: copy the contents to a pinned host backup (allocated on the first kept pause and reused
+                by later ones). ``False`` discards them: after ``resume()`` the memory is uninitialised
+                (zeros on the host backend); for KV caches and gradients.
+            blocking: wait until the memory has been released. If False, release runs on a worker thread;
+                the returned handle's ``wait()`` joins it.
+
+        Returns:
+            A :class:`Handle`.
+
+        Raises:
+            HostOutOfMemoryError: the backup cannot be allocated; nothing has been released.
+            RegionClosedError: the Region is closed.
+        """
+        _check_flag("keep", keep)
+        _check_flag("blocking", blocking)
+        with self._lock:
+            self._check_open()
+            op = self._op
+            if op is not None and op.kind == "pause" and not op.done():
+                return op
+            self._settle()
+            if self._paused:
+                return Handle("pause")
+            t0 = time.perf_counter()
+            saved = [i for i, (off, _) in enumerate(self._chunks) if keep and off < self._used]
+            if saved:
+                off, size = self._chunks[saved[-1]]
+                self._ensure_backup(off + size)  # may raise: nothing released yet
+            after = self._backend.order(self._resume_done)
+            self._paused = True
+            self._pauses += 1
+            self._last_pause = {"kept": keep, "bytes": 0, "s": None}
+            if blocking:
+                self._pause_work(saved, after, t0)
+                return Handle("pause")
+            handle = Handle("pause", device=self._device)
+            thread = threading.Thread(
+                target=self._run_worker,
+                args=(handle, self._pause_work, saved, after, t0),
+                name=f"rlmem-pause-{self.name}",
+                daemon=True,
+            )
+            handle._thread = thread
+            self._op = handle
+            thread.start()
+            return handle
+
+    def _pause_work(self, saved: list[int], after: Any, t0: float) -> None:
+        backend = self._backend
+        backup = self._backup
+        copied = 0
+        events: dict[int, Any] = {}
+        if saved:
+            assert backup is not None and backup.tensor is not None
+            backend.begin_out(after)
+            for i in saved:
+                off, size = self._chunks[i]
+                events[i] = backend.copy_out(off, size, backup.tensor[off : off + size])
+        backend.wait(after)
+        for i, (off, size) in enumerate(self._chunks):
+            if self._state[i] != _MAPPED:
+                continue
+            if i in events:
+                backend.wait(events[i])
+                backend.unmap(off)
+                self._state[i] = _SAVED
+                copied += size
+            else:
+                backend.unmap(off)
+                self._state[i] = _EMPTY
+        self._last_pause["bytes"] = copied
+        self._last_pause["s"] = time.perf_counter() - t0
+
+    def _ensure_backup(self, nbytes: int) -> None:
+        b = self._backup
+        if b is not None and b.alive and b.nbytes >= nbytes:
+            return
+        new = HostBuffer(nbytes, device_index=self._device.index if self._backend.pinned_backup else None)
+        if b is not None:
+            b.free()
+        self._backup = new
+
+    # -- resume --------------------------------------------------------------------------------------
+    def resume(self, *, blocking: bool = True) -> Handle:
+        """Map new physical memory at the same addresses and copy kept contents back.
+
+        Args:
+            blocking: return once the contents are on the device. If False (CUDA), the copies run on a
+                dedicated stream and the returned handle's ``wait()`` orders the caller's stream after them
+                without blocking the host: call it before touching the Region's tensors.
+
+        Returns:
+            A :class:`Handle`.
+
+        Raises:
+            OutOfMemoryError: the device cannot provide the memory. Whatever was mapped is undone; the
+                Region stays paused with its backup intact, so ``resume()`` can be retried.
+            RegionClosedError: the Region is closed.
+        """
+        _check_flag("blocking", blocking)
+        with self._lock:
+            self._check_open()
+            self._settle()
+            if not self._paused:
+                return Handle("resume", event=self._resume_done, device=self._device)
+            t0 = time.perf_counter()
+            if not blocking and not self._backend.asynchronous:
+                handle = Handle("resume", device=self._device)
+                thread = threading.Thread(
+                    target=self._run_worker,
+                    args=(handle, self._resume_work, t0, True),
+                    name=f"rlmem-resume-{self.name}",
+                    daemon=True,
+                )
+                handle._thread = thread
+                self._op = handle
+                thread.start()
+                return handle
+            done = self._resume_work(t0, blocking)
+            return Handle("resume", event=None if blocking else done, device=self._device)
+
+    def _resume_work(self, t0: float, blocking: bool) -> Any:
+        backend = self._backend
+        backup = self._backup
+        todo = [i for i, st in enumerate(self._state) if st != _MAPPED]
+        start = backend.mark_in(timing=True)
+        copied = 0
+
+        def restore(i: int) -> None:
+            nonlocal copied
+            if self._state[i] == _SAVED:
+                assert backup is not None and backup.tensor is not None
+                off, size = self._chunks[i]
+                backend.copy_in(off, size, backup.tensor[off : off + size])
+                copied += size
+
+        # Map and copy chunk by chunk, so mapping the next chunk overlaps the copy of this one.
+        self._map_chunks(todo, what="resume()", on_mapped=restore)
+        done = backend.mark_in(timing=True)
+        for i in todo:
+            self._state[i] = _MAPPED
+        self._paused = False
+        self._resumes += 1
+        self._resume_done = done
+        if blocking:
+            backend.wait(done)
+            self._last_resume = {"bytes": copied, "s": time.perf_counter() - t0, "events": None}
+        else:
+            self._last_resume = {"bytes": copied, "s": None, "events": (start, done)}
+        return done
+
+    def _map_chunks(
+        self, indices: Sequence[int] | range, *, what: str, on_mapped: Callable[[int], None] | None = None
+    ) -> None:
+        """Map the given chunks; on failure unmap those this call mapped and raise (states untouched)."""
+        backend = self._backend
+        mapped: list[int] = []
+        try:
+            for i in indices:
+                off, size = self._chunks[i]
+                try:
+                    backend.map(off, size)
+                except CudaError as e:
+                    if not _is_oom(e):
+                        raise
+                    # PyTorch's caching allocator may hold free blocks: give them back and try once more.
+                    backend.reclaim_cache()
+                    backend.map(off, size)
+                mapped.append(i)
+                if on_mapped is not None:
+                    on_mapped(i)
+        except BaseException as e:
+            backend.synchronize()  # copies into chunks about to be unmapped must finish first
+            for i in mapped:
+                backend.unmap(self._chunks[i][0])
+            if _is_oom(e):
+                needed = sum(self._chunks[i][1] for i in indices)
+                free, _ = backend.mem_info()
+                raise OutOfMemoryError(
+                    f"{what} of region {self.name!r} needs {needed / 2**30:.3f} GiB of device memory on "
+                    f"{self._device}, but only {free / 2**30:.3f} GiB is free"
+                    + (
+                        "; the region stays paused with its contents kept: "
+                        "free memory and call resume() again"
+                        if what == "resume()"
+                        else ""
+                    ),
+                    needed=needed,
+                    free=free,
+                    device=str(self._device),
+                ) from e
+            raise
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def _run_worker(self, handle: Handle, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._backend.thread_setup()
+            fn(*args)
+        except BaseException as e:
+            handle.error = e
+
+    def _settle(self) -> None:
+        """Finish a non-blocking operation still in flight before starting another."""
+        op = self._op
+        if op is None:
+            return
+        self._op = None
+        if op._thread is not None:
+            op._thread.join()
+        if op.error is not None and not op.observed:
+            op.observed = True
+            warnings.warn(
+                f"a non-blocking {op.kind}() of region {self.name!r} failed and nobody waited for it: "
+                f"{op.error!r}; the region's chunks are left in a consistent state",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RegionClosedError(f"region {self.name!r} is closed")
+
+    def free_backup(self) -> None:
+        """Free the host backup now (the next kept pause allocates a new one).
+
+        Raises:
+            RuntimeError: the Region is paused with its contents in the backup.
+        """
+        with self._lock:
+            self._settle()
+            if any(st == _SAVED for st in self._state):
+                raise RuntimeError(
+                    f"region {self.name!r} is paused with its contents in the host backup; resume() first"
+                )
+            if self._backup is not None:
+                self._backup.free()
+                self._backup = None
+
+    def close(self) -> None:
+        """Release the physical memory and the backup. Idempotent; allowed while paused.
+
+        Work queued on the device is waited for first. Tensors carved from the Region must not be used
+        afterwards; their address range is returned to the driver once the last of them is gone.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._settle()
+            self._backend.synchronize()
+            self._backend.close()
+            self._state = [_EMPTY] * len(self._chunks)
+            self._paused = False
+            if self._backup is not None:
+                self._backup.free()
+                self._backup = None
+            self._resume_done = None
+            self._base = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Region:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- stats ---------------------------------------------------------------------------------------
+    def stats(self) -> RegionStats:
+        """A :class:`RegionStats` snapshot."""
+        lr = self._last_resume
+        if lr["s"] is None and lr["events"] is not None:
+            start, done = lr["events"]
+            if done.query():
+                lr["s"] = start.elapsed_time(done) / 1e3
+                lr["events"] = None
+        lp = self._last_pause
+        return RegionStats(
+            name=self.name,
+            device=str(self._device),
+            nbytes=self._nbytes,
+            chunk_bytes=self._chunk,
+            used_bytes=self._used,
+            resident_bytes=0 if self._closed else self.resident_bytes,
+            backup_bytes=self.backup_bytes,
+            paused=self._paused,
+            pauses=self._pauses,
+            resumes=self._resumes,
+            last_pause_kept=lp["kept"],
+            last_pause_bytes=lp["bytes"],
+            last_pause_s=lp["s"],
+            last_pause_gbps=_gbps(lp["bytes"], lp["s"]),
+            last_resume_bytes=lr["bytes"],
+            last_resume_s=lr["s"],
+            last_resume_gbps=_gbps(lr["bytes"], lr["s"]),
+        )
+
+
+def _gbps(nbytes: int, seconds: float | None) -> float | None:
+    if seconds is None or nbytes == 0 or seconds <= 0:
+        return None
+    return nbytes / seconds / 1e9
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
+# Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench] [pytest args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/rlmem-gpu-check}
+mkdir -p "$OUT"
+what=${1:-all}
+shift || true
+machine=${RLMEM_MACHINE:-}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import torch, platform; from importlib.metadata import version as v
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "nccl", torch.cuda.nccl.version(), "cuda-bindings", v("cuda-bindings"), "gpus", torch.cuda.device_count())'
+  grep -E 'MemTotal|MemAvailable|HugePages_Total' /proc/meminfo
+  cat /sys/kernel/mm/transparent_hugepage/enabled
+  nproc
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if [[ $what == all || $what == tests ]]; then
+  python3 -m pytest -q -rs tests "$@" 2>&1 | tee "$OUT/tests.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+
+if [[ $what == all || $what == bench ]]; then
+  name=${machine:-$(python3 -c 'import torch; from rlmem.benchmarks._common import machine_name as m
+print(m(torch.device("cuda", 0)))')}
+  python3 bench/region.py --machine "$name" --chunk-sweep 64,256,1024 --json "$OUT/region-$name.json" \
+    2>&1 | tee "$OUT/bench_region.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+exit $status

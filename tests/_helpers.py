@@ -1,0 +1,45 @@
+"""Test helpers: bit-level comparison, random contents, and running code in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bytes(a).cpu(), as_bytes(b).cpu())
+
+
+def fill_random(t: torch.Tensor, seed: int) -> None:
+    """Random bit patterns (NaNs and denormals included), so comparisons are bit-exact."""
+    g = torch.Generator().manual_seed(seed)
+    b = as_bytes(t)
+    high = 2 if t.dtype == torch.bool else 256  # other bytes are not valid bools
+    b.copy_(torch.randint(0, high, (b.numel(),), dtype=torch.uint8, generator=g))
+
+
+def run_fresh(code: str, timeout: float = 600) -> dict:
+    """Run ``code`` in a new Python process; it must print one JSON object as its last line."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,21 @@
+import pytest
+import torch
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    count = _cuda_count()
+    for item in items:
+        gpus = item.get_closest_marker("gpus")
+        need = int(gpus.args[0]) if gpus and gpus.args else (1 if item.get_closest_marker("cuda") else 0)
+        if need > count:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {count}"))
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request):
+    """Each test runs on the host backend and, where there is one, on a GPU."""
+    return request.param

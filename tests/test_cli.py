@@ -1,0 +1,66 @@
+"""The rlmem command: version, help, and the region benchmark end to end on the host backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from _helpers import ROOT
+
+import rlmem
+
+
+def _rlmem(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "rlmem", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_version_and_help():
+    p = _rlmem("--version")
+    assert p.returncode == 0 and rlmem.__version__ in p.stdout
+    p = _rlmem()
+    assert p.returncode == 2 and "bench" in p.stdout
+
+
+def test_bench_region_writes_every_figure(tmp_path):
+    out = tmp_path / "region.json"
+    p = _rlmem(
+        "bench",
+        "region",
+        "--device",
+        "cpu",
+        "--sizes",
+        "0.01,0.02",
+        "--cycles",
+        "2",
+        "--discard-cycles",
+        "2",
+        "--chunk-sweep",
+        "1,4",
+        "--json",
+        str(out),
+    )
+    assert p.returncode == 0, p.stderr
+    assert "pause/pinned" in p.stdout and "summary:" in p.stdout
+    data = json.loads(out.read_text())
+    assert data["name"] == "region" and data["machine"] == "cpu"
+    assert data["versions"]["torch"] and data["date"] and data["device"]["type"] == "cpu"
+    assert [r["size_gib"] for r in data["rows"]] == [0.01, 0.02]
+    for row in data["rows"]:
+        assert row["intact"] is True
+        assert row["freed_fraction"] >= 0.99
+        for key in ("pinned_d2h_gbps", "pause_gbps", "resume_gbps", "naive_out_gbps", "discard_cycle_ms"):
+            assert row[key] > 0
+    assert len(data["chunk_sweep"]) == 2
+    assert {"pause_vs_pinned", "resume_vs_pinned", "all_intact"} <= set(data["summary"])
+
+
+def test_bench_region_rejects_bad_sizes():
+    p = _rlmem("bench", "region", "--device", "cpu", "--sizes", "abc")
+    assert p.returncode == 2 and "--sizes" in p.stderr
+    p = _rlmem("bench", "unknown")
+    assert p.returncode == 2
