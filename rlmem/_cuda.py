@@ -276,15 +276,19 @@ class CudaBackend:
         for offset in list(self._handles):
             self.unmap(offset)
 
+    def destroy(self) -> None:
+        """Release every chunk and free the address range now: only when no tensor views it."""
+        self.close()
+        if self._ptr:
+            with context(self.index):
+                call("cuMemAddressFree", self._ptr, self._size)
+            self._ptr = 0
+
     def __del__(self) -> None:
         # Runs when the Region and every view of it are gone; at interpreter exit the driver may be gone too.
         try:
             if self._handles:
                 torch.cuda.synchronize(self.device)
-                self.close()
-            if self._ptr:
-                with context(self.index):
-                    call("cuMemAddressFree", self._ptr, self._size)
-                self._ptr = 0
+            self.destroy()
         except Exception:
             pass

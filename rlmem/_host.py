@@ -96,3 +96,10 @@ class HostBackend:
     def close(self) -> None:
         for offset in list(self._mapped):
             self.unmap(offset)
+
+    def destroy(self) -> None:
+        self.close()
+        self._base = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None

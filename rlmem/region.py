@@ -24,7 +24,13 @@ from .errors import CudaError, OutOfMemoryError, RegionClosedError
 
 __all__ = ["Handle", "Region", "RegionStats"]
 
-_DEFAULT_CHUNK = 256 << 20
+# Default chunking: about _TARGET_CHUNKS chunks per region, each between the two bounds. Driver calls cost
+# per chunk, not per byte: a 16 GiB discard cycle took 24 ms with 64 MiB chunks and 7 ms with 1 GiB chunks on
+# an H100 (bench/results/vmm_calls-nvidia-h100-x1.json), while ~16 chunks keep release progressive and let
+# mapping the next chunk overlap the copy of this one.
+_TARGET_CHUNKS = 16
+_MIN_CHUNK = 64 << 20
+_MAX_CHUNK = 2 << 30
 _DEFAULT_ALIGN = 256
 
 # Chunk states.
@@ -68,6 +74,11 @@ def _make_backend(dev: torch.device) -> Any:
     from ._cuda import CudaBackend
 
     return CudaBackend(dev.index)
+
+
+def _default_chunk(capacity: int, granularity: int) -> int:
+    chunk = _round_up(-(-capacity // _TARGET_CHUNKS), granularity)
+    return max(_MIN_CHUNK, min(chunk, _MAX_CHUNK))
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -168,8 +179,9 @@ class Region:
             NVIDIA GPUs, a page on the host).
         device: ``"cuda"`` (the current device), ``"cuda:N"``, an int, a ``torch.device``, or ``"cpu"`` for
             the host backend (same semantics on an anonymous mapping; for CPU-only machines and tests).
-        chunk_bytes: unit of mapping, copying and release (default: 256 MiB, at most ``nbytes``); rounded
-            up to the granularity. Memory is given back chunk by chunk as each chunk's copy completes.
+        chunk_bytes: unit of mapping, copying and release; rounded up to the granularity. Default: about a
+            sixteenth of ``nbytes``, between 64 MiB and 2 GiB (driver calls cost per chunk). Memory is given
+            back chunk by chunk as each chunk's copy completes.
         name: a label for errors, stats and reports.
 
     Raises:
@@ -210,7 +222,8 @@ class Region:
         backend = _make_backend(dev)
         gran = backend.granularity
         capacity = _round_up(nbytes, gran)
-        chunk = min(_round_up(chunk_bytes or _DEFAULT_CHUNK, gran), capacity)
+        chunk = _round_up(chunk_bytes, gran) if chunk_bytes else _default_chunk(capacity, gran)
+        chunk = min(chunk, capacity)
         self._device = dev
         self._backend = backend
         self._nbytes = capacity
@@ -221,7 +234,7 @@ class Region:
         try:
             self._map_chunks(range(len(self._chunks)), what="Region()")
         except BaseException:
-            backend.close()
+            backend.destroy()  # no tensor exists yet: the address range can go at once
             raise
         self._state = [_MAPPED] * len(self._chunks)
         self._base = backend.base_tensor()
@@ -364,16 +377,22 @@ class Region:
             if op is not None and op.kind == "pause" and not op.done():
                 return op
             self._settle()
-            if self._paused:
+            if self._paused and _MAPPED not in self._state:
                 return Handle("pause")
+            # Paused with chunks still mapped happens only after a failed pause: release what is left.
             t0 = time.perf_counter()
-            saved = [i for i, (off, _) in enumerate(self._chunks) if keep and off < self._used]
+            saved = [
+                i
+                for i, (off, _) in enumerate(self._chunks)
+                if keep and off < self._used and self._state[i] == _MAPPED
+            ]
             if saved:
                 off, size = self._chunks[saved[-1]]
                 self._ensure_backup(off + size)  # may raise: nothing released yet
             after = self._backend.order(self._resume_done)
+            if not self._paused:
+                self._pauses += 1
             self._paused = True
-            self._pauses += 1
             self._last_pause = {"kept": keep, "bytes": 0, "s": None}
             if blocking:
                 self._pause_work(saved, after, t0)

@@ -32,7 +32,7 @@ fi
 if [[ $what == all || $what == bench ]]; then
   name=${machine:-$(python3 -c 'import torch; from rlmem.benchmarks._common import machine_name as m
 print(m(torch.device("cuda", 0)))')}
-  python3 bench/region.py --machine "$name" --chunk-sweep 64,256,1024 --json "$OUT/region-$name.json" \
+  python3 bench/region.py --machine "$name" --chunk-sweep 256,1024,2048 --json "$OUT/region-$name.json" \
     2>&1 | tee "$OUT/bench_region.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi

@@ -94,9 +94,7 @@ import json, rlmem
 from rlmem import _cuda
 r = rlmem.Region(1 << 20, "cpu")
 r.pause(); r.resume(); r.close()
-with open("/proc/self/maps") as f:
-    libcuda = "libcuda.so" in f.read()
-print(json.dumps({"initialised": _cuda._driver is not None, "libcuda_mapped": libcuda}))
+print(json.dumps({"initialised": _cuda._driver is not None, "contexts": len(_cuda._primary_ctx)}))
 """
     )
-    assert out == {"initialised": False, "libcuda_mapped": False}
+    assert out == {"initialised": False, "contexts": 0}
