@@ -353,7 +353,7 @@ class Region:
         The copy is ordered after the work already queued on the caller's current stream (and after a
         previous non-blocking resume). Work on other streams that touches the Region must be ordered before
         the call by the caller. Chunks are released one by one as their copies complete. Calling it on a
-        paused Region does nothing.
+        paused Region does nothing, except after a pause that failed part-way: then it releases what is left.
 
         Args:
             keep: copy the contents to a pinned host backup (allocated on the first kept pause and reused
@@ -441,6 +441,9 @@ class Region:
             return
         new = HostBuffer(nbytes, device_index=self._device.index if self._backend.pinned_backup else None)
         if b is not None:
+            if _SAVED in self._state and b.alive:  # a part-way pause left contents only in the old backup
+                assert new.tensor is not None and b.tensor is not None
+                new.tensor[: b.nbytes].copy_(b.tensor)
             b.free()
         self._backup = new
 

@@ -312,6 +312,33 @@ def test_failed_nonblocking_pause_leaves_a_resumable_region(device, monkeypatch)
     assert same_bytes(x, ref)
 
 
+def test_repause_that_grows_the_backup_keeps_saved_chunks(device, monkeypatch):
+    r = _small_chunk_region(device)
+    gran = r.chunk_bytes
+    x = r.empty(2 * gran, torch.uint8)
+    fill_random(x, 12)
+    ref = x.clone()
+    backend = r._backend
+    real_unmap = backend.unmap
+
+    def fail_second(offset):
+        if offset > 0:
+            raise RuntimeError("injected failure")
+        real_unmap(offset)
+
+    monkeypatch.setattr(backend, "unmap", fail_second)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        r.pause()  # chunk 0 now lives only in the backup
+    monkeypatch.undo()
+    y = r.empty(2 * gran, torch.uint8)  # grows the used range: the next pause needs a larger backup
+    fill_random(y, 13)
+    ref_y = y.clone()
+    r.pause()
+    assert r.backup_bytes >= 4 * gran
+    r.resume()
+    assert same_bytes(x, ref) and same_bytes(y, ref_y)
+
+
 def test_unobserved_worker_failure_is_reported(device, monkeypatch):
     r = _small_chunk_region(device)
     r.empty(1 << 20, torch.uint8)
