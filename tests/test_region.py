@@ -255,6 +255,21 @@ def test_backup_is_reused_across_cycles_and_can_be_freed(device):
     assert same_bytes(y, ref)
 
 
+def test_reserved_backup_is_used_by_the_first_pause(device):
+    r = _small_chunk_region(device)
+    x = r.empty(1 << 20, torch.float32)
+    fill_random(x, 21)
+    ref = x.clone()
+    h = r.reserve_backup(blocking=False)
+    r.pause()  # waits for the reservation instead of allocating a second buffer
+    h.wait()
+    backup = r._backup
+    assert backup is not None and r.backup_bytes >= 4 << 20
+    r.resume()
+    assert r._backup is backup and same_bytes(x, ref)
+    assert r.reserve_backup().done()  # already there: nothing to do
+
+
 def test_pause_without_host_memory_releases_nothing(device, monkeypatch):
     from rlmem import _pinned
 

@@ -1,0 +1,188 @@
+"""PhaseManager: switch a co-located RL loop between rollout and train with one flag.
+
+``with pm.rollout():`` gives the trainer's idle memory back (per :class:`OffloadConfig`) and wakes rollout
+engines; ``with pm.train():`` puts engines to sleep and brings the trainer's state back, waiting only for
+what is needed. With ``offload_during_rollout=False`` (the default) both are no-ops that allocate nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .state import TrainState, check_policy
+
+__all__ = ["Engine", "OffloadConfig", "PhaseManager"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Anything with ``sleep()`` (give its device memory back) and ``wake()`` (take it again)."""
+
+    def sleep(self) -> Any: ...
+
+    def wake(self) -> Any: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """What the train phase gives back during rollout.
+
+    Args:
+        offload_during_rollout: the single switch; off by default, and then nothing is adopted or moved.
+        params: ``"offload"`` (to pinned host memory), ``"discard"`` (weights the caller reloads itself, e.g.
+            synced from the rollout engine) or ``"keep"`` (the rollout runs on the training model).
+        grads: default ``"discard"`` (gradients become None, as after ``zero_grad()``).
+        optimizer: default ``"offload"``.
+        buffers: default ``"keep"``; anything else adopts the model's buffers too.
+        empty_cache: after offloading, return PyTorch's cached free blocks to the driver, so the rollout
+            engine can take the activations' memory too.
+        reserve_backups: allocate the pinned host backups in the background as soon as the state is adopted,
+            so the first switch runs at link speed.
+
+    Raises:
+        ValueError: a field has a value outside those listed; the message names the field.
+    """
+
+    offload_during_rollout: bool = False
+    params: str = "offload"
+    grads: str = "discard"
+    optimizer: str = "offload"
+    buffers: str = "keep"
+    empty_cache: bool = True
+    reserve_backups: bool = True
+
+    def __post_init__(self) -> None:
+        for f in ("offload_during_rollout", "empty_cache", "reserve_backups"):
+            v = getattr(self, f)
+            if not isinstance(v, bool):
+                raise ValueError(f"OffloadConfig.{f} must be True or False, got {v!r}")
+        for f in ("params", "grads", "optimizer", "buffers"):
+            check_policy(f"OffloadConfig.{f}", getattr(self, f))
+
+    def policies(self) -> dict[str, str]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "buffers": self.buffers,
+        }
+
+
+class PhaseManager:
+    """Rollout/train switching for a model and its optimizer, plus the rollout engines that share the GPU.
+
+    Args:
+        model: the policy being trained.
+        optimizer: its optimizer (or None).
+        config: an :class:`OffloadConfig`; default: disabled.
+
+    Example:
+        >>> pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True))
+        >>> pm.add_engine(engine)            # anything with sleep() / wake()
+        >>> with pm.rollout():
+        ...     samples = engine.generate(prompts)
+        >>> pm.prefetch()                    # optional: start the reload while rewards are computed
+        >>> with pm.train():
+        ...     loss = step(model, samples); opt.step()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        config: OffloadConfig | None = None,
+    ) -> None:
+        config = OffloadConfig() if config is None else config
+        if not isinstance(config, OffloadConfig):
+            raise ValueError(f"config must be an OffloadConfig, got {type(config).__name__}")
+        self.config = config
+        self.engines: list[Any] = []
+        self.phase: str | None = None
+        self.state: TrainState | None = None
+        self._reloading = False
+        self._switches: dict[str, Any] = {"rollout_s": None, "train_s": None, "count": 0}
+        if config.offload_during_rollout:
+            self.state = TrainState(model, optimizer, buffers=config.buffers != "keep", name="phase")
+            if config.reserve_backups:
+                self._reserve()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.offload_during_rollout
+
+    def _reserve(self) -> None:
+        assert self.state is not None
+        cats = [c for c, p in self.config.policies().items() if p == "offload"]
+        self.state.reserve_backups(cats, blocking=False)
+
+    def add_engine(self, engine: Any) -> None:
+        """Register a rollout engine: it sleeps on entering train and wakes on entering rollout.
+
+        Raises:
+            ValueError: ``engine`` has no callable ``sleep()`` and ``wake()``.
+        """
+        if not (callable(getattr(engine, "sleep", None)) and callable(getattr(engine, "wake", None))):
+            raise ValueError(f"engine must have sleep() and wake() methods; {type(engine).__name__} has not")
+        self.engines.append(engine)
+
+    @contextmanager
+    def rollout(self) -> Iterator[PhaseManager]:
+        """Enter the rollout phase: offload the train state per config, then wake the engines."""
+        if self.enabled and self.phase != "rollout":
+            t0 = time.perf_counter()
+            assert self.state is not None
+            self.state.offload(**self.config.policies(), blocking=True)
+            self._reloading = False
+            if self.config.empty_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            for e in self.engines:
+                e.wake()
+            self._switches["rollout_s"] = time.perf_counter() - t0
+            self._switches["count"] += 1
+            self.phase = "rollout"
+        yield self
+
+    def prefetch(self) -> None:
+        """Start bringing the train state back now (engines are put to sleep first, to make room)."""
+        if not self.enabled or self._reloading or self.phase == "train":
+            return
+        t0 = time.perf_counter()
+        for e in self.engines:
+            e.sleep()
+        assert self.state is not None
+        self.state.reload(blocking=False)
+        self._reloading = True
+        self._switches["prefetch_s"] = time.perf_counter() - t0
+
+    @contextmanager
+    def train(self) -> Iterator[PhaseManager]:
+        """Enter the train phase: engines sleep, the state comes back (parameters first; the optimizer
+        step alone waits for the optimizer states)."""
+        if self.enabled and self.phase != "train":
+            t0 = time.perf_counter()
+            self.prefetch()
+            self._switches["train_s"] = time.perf_counter() - t0
+            self._switches["count"] += 1
+            self._reloading = False
+            self.phase = "train"
+        yield self
+
+    def stats(self) -> dict[str, Any]:
+        """Config, phase, last switch times and, when enabled, the TrainState's bytes per category."""
+        out: dict[str, Any] = {
+            "enabled": self.enabled,
+            "phase": self.phase,
+            "config": asdict(self.config),
+            "switches": dict(self._switches),
+            "engines": len(self.engines),
+        }
+        if self.state is not None:
+            out["state"] = self.state.stats()
+        return out

@@ -1,0 +1,571 @@
+"""TrainState: a model's parameters, gradients and optimizer states adopted into Regions, by category.
+
+Adoption moves each tensor into a :class:`rlmem.Region` of its category (``params``, ``grads``,
+``optimizer``, ``buffers``) and device, and rebinds the original holders to the new views (``p.data``,
+``p.grad``, ``optimizer.state[p][k]``, ``module._buffers[name]``). The user's references (the Parameter
+objects, the optimizer, the model) keep working, and every address stays fixed across offload and reload.
+
+Gradients follow PyTorch's own conventions, so training is bit-for-bit what it would be without rlmem:
+
+* A gradient that exists (``zero_grad(set_to_none=False)``, gradient accumulation) *is* the Region view;
+  autograd accumulates into it in place and ``clip_grad_norm_`` scales it in place.
+* ``zero_grad()`` (``set_to_none=True``, the default) leaves ``p.grad`` None, as usual. When backward next
+  produces a gradient, a post-accumulate hook copies it into the Region view and rebinds ``p.grad`` to it
+  (one device copy per parameter, the freshly made tensor goes back to the caching allocator). Users who
+  want no copy at all call ``zero_grad(set_to_none=False)``.
+* Offloading gradients with ``"discard"`` sets ``p.grad`` to None, exactly like ``zero_grad()``.
+
+Optimizer states that ``step()`` creates lazily are adopted after the step that creates them (and at every
+offload, which also catches states replaced by ``load_state_dict``). Host-side scalars of CUDA parameters
+(the ``step`` counter of non-fused Adam/AdamW) stay where they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .region import Handle, Region
+
+__all__ = ["CATEGORIES", "POLICIES", "TrainState"]
+
+CATEGORIES = ("params", "buffers", "grads", "optimizer")  # also the reload order
+POLICIES = ("keep", "offload", "discard")
+_ALIGN = 256
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _dense_strides(t: torch.Tensor) -> bool:
+    """True if ``t`` covers exactly ``numel`` elements with no gaps (a permuted contiguous layout)."""
+    expected = 1
+    dims = sorted(((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1))
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _empty_like(region: Region, t: torch.Tensor) -> torch.Tensor:
+    """A view in ``region`` shaped like ``t``, with ``t``'s strides when they are dense (so layout-sensitive
+    kernels, and the gradients autograd lays out like their parameter, round exactly as before), else
+    contiguous."""
+    if t.is_contiguous() or not _dense_strides(t):
+        return region.empty(t.shape, t.dtype, align=_ALIGN)
+    flat = region.empty(t.numel(), t.dtype, align=_ALIGN)
+    return flat.as_strided(t.shape, t.stride())
+
+
+def check_policy(name: str, value: object) -> str:
+    if value not in POLICIES:
+        raise ValueError(f"{name} must be one of {', '.join(repr(p) for p in POLICIES)}; got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+@dataclass
+class _Slot:
+    """One adopted tensor: its Region view and how to put a view back into its holder."""
+
+    view: torch.Tensor
+    region: Region
+
+
+class TrainState:
+    """Parameters, gradients and optimizer states of a model, adopted into Regions so they can be offloaded.
+
+    Args:
+        model: any ``nn.Module``. Tied parameters keep one storage; frozen parameters count as params;
+            parameters with dense non-contiguous strides (a transposed weight) keep them, and the rare ones
+            with gaps between elements become contiguous. Parameters may live on several devices
+            (one Region per category and device) or on the CPU (host backend).
+        optimizer: any ``torch.optim.Optimizer`` over parameters of ``model`` (or None).
+        buffers: also adopt the model's buffers (category ``"buffers"``).
+        name: a label for Regions, errors and stats.
+
+    Raises:
+        ValueError: the optimizer holds a parameter the model does not own, two parameters overlap in
+            memory without being the same tensor, or a parameter is of a kind that cannot be adopted.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> state = TrainState(model, opt)
+        >>> model(torch.ones(2, 4)).sum().backward(); opt.step()
+        >>> state.offload(params="offload", grads="discard", optimizer="offload", blocking=True)
+        >>> state.reload(blocking=True)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        buffers: bool = False,
+        name: str = "train",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+            )
+        if not isinstance(buffers, bool):
+            raise ValueError(f"buffers must be True or False, got {buffers!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.name = name
+        self._regions: dict[str, list[Region]] = {c: [] for c in CATEGORIES}
+        self._params: list[nn.Parameter] = []
+        self._param_slots: dict[int, _Slot] = {}
+        self._grad_slots: dict[int, _Slot] = {}
+        self._buffer_slots: list[tuple[nn.Module, str, _Slot]] = []
+        self._state_slots: dict[tuple[int, str], _Slot] = {}
+        self._hooks: list[Any] = []
+        self._policy: dict[str, str] = dict.fromkeys(CATEGORIES, "keep")
+        self._pending: dict[str, list[Handle]] = {c: [] for c in CATEGORIES}
+        self._last: dict[str, Any] = {
+            "offload_s": None,
+            "reload_s": None,
+            "offload_bytes": 0,
+            "reload_bytes": 0,
+        }
+        self._closed = False
+
+        params = self._collect_params(model, optimizer)
+        self._adopt_params(params)
+        self._adopt_grads(params)
+        if buffers:
+            self._adopt_buffers(model)
+        if optimizer is not None:
+            self.adopt_optimizer_states()
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+            self._hooks.append(optimizer.register_state_dict_pre_hook(lambda *_: self._settle_optimizer()))
+            self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.adopt_optimizer_states()))
+        for m in model.modules():
+            if m._parameters or (buffers and m._buffers):
+                self._hooks.append(m.register_forward_pre_hook(self._before_forward))
+        if any(t.device.type == "cuda" for t in params):
+            torch.cuda.empty_cache()  # the tensors adopted from the caching allocator are free now
+
+    # -- adoption ------------------------------------------------------------------------------------
+    def _collect_params(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> list[nn.Parameter]:
+        params = list(model.parameters())
+        for p in params:
+            if type(p.data) is not torch.Tensor or p.is_sparse or p.is_quantized or p.is_meta:
+                raise ValueError(
+                    f"TrainState adopts dense, materialised parameters; got a {type(p.data).__name__} "
+                    f"{'meta ' if p.is_meta else ''}parameter of shape {tuple(p.shape)} (DTensor/FSDP2 "
+                    "parameters are not supported yet)"
+                )
+        if optimizer is not None:
+            owned = {id(p) for p in params}
+            for gi, group in enumerate(optimizer.param_groups):
+                for p in group["params"]:
+                    if id(p) not in owned:
+                        raise ValueError(
+                            f"optimizer param_groups[{gi}] holds a parameter of shape {tuple(p.shape)} "
+                            "that is not in the model; TrainState needs a model that owns every optimized "
+                            "parameter"
+                        )
+        self._params = params
+        return params
+
+    def _new_regions(self, category: str, tensors: Iterable[torch.Tensor]) -> dict[torch.device, Region]:
+        sizes: dict[torch.device, int] = defaultdict(int)
+        for t in tensors:
+            sizes[t.device] += _round_up(max(_nbytes(t), 1), _ALIGN)
+        out = {}
+        for dev, size in sizes.items():
+            region = Region(size, dev, name=f"{self.name}/{category}/{dev}")
+            self._regions[category].append(region)
+            out[dev] = region
+        return out
+
+    @staticmethod
+    def _place(region: Region, t: torch.Tensor) -> torch.Tensor:
+        view = _empty_like(region, t)
+        view.copy_(t)
+        return view
+
+    def _adopt_params(self, params: list[nn.Parameter]) -> None:
+        # Distinct Parameter objects over the same memory must keep sharing it; overlaps that are not
+        # identical views cannot be represented as separate contiguous views.
+        keys: dict[tuple, int] = {}
+        spans: dict[int, list[tuple[int, int, nn.Parameter]]] = defaultdict(list)
+        unique: list[nn.Parameter] = []
+        alias: dict[int, int] = {}
+        for p in params:
+            if p.numel() == 0:
+                unique.append(p)
+                continue
+            key = (p.data_ptr(), tuple(p.shape), tuple(p.stride()), p.dtype, p.device)
+            if key in keys:
+                alias[id(p)] = keys[key]
+                continue
+            keys[key] = id(p)
+            base = p.untyped_storage().data_ptr()
+            start = p.data_ptr() - base
+            spans[base].append((start, start + _nbytes(p), p))
+            unique.append(p)
+        for lst in spans.values():
+            lst.sort(key=lambda s: s[0])
+            for (_, a1, pa), (b0, _, pb) in itertools.pairwise(lst):
+                if b0 < a1:
+                    raise ValueError(
+                        f"two parameters (shapes {tuple(pa.shape)} and {tuple(pb.shape)}) overlap in memory "
+                        "without being the same view; TrainState cannot give them separate storage"
+                    )
+        regions = self._new_regions("params", unique)
+        for p in unique:
+            view = self._place(regions[p.device], p.data)
+            p.data = view
+            self._param_slots[id(p)] = _Slot(view, regions[p.device])
+        by_id = {id(p): p for p in params}
+        for pid, target in alias.items():
+            slot = self._param_slots[target]
+            by_id[pid].data = slot.view
+            self._param_slots[pid] = slot
+
+    def _adopt_grads(self, params: list[nn.Parameter]) -> None:
+        # One slot per trainable Parameter object: even parameters aliasing the same data are separate
+        # autograd leaves with separate gradients.
+        trainable = [p for p in params if p.requires_grad]
+        regions = self._new_regions("grads", trainable)
+        for p in trainable:
+            region = regions[p.device]
+            view = _empty_like(region, p.data)
+            g = p.grad
+            if g is not None and g.shape == p.shape and g.dtype == p.dtype and g.layout == torch.strided:
+                view.copy_(g)
+                p.grad = view
+            self._grad_slots[id(p)] = _Slot(view, region)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
+
+    def _adopt_buffers(self, model: nn.Module) -> None:
+        entries: list[tuple[nn.Module, str, torch.Tensor]] = []
+        for m in model.modules():
+            for n, b in m._buffers.items():
+                if b is not None and type(b) is torch.Tensor and not b.is_meta:
+                    entries.append((m, n, b))
+        uniq: dict[int, torch.Tensor] = {}
+        for _, _, b in entries:
+            uniq.setdefault(id(b), b)
+        regions = self._new_regions("buffers", uniq.values())
+        views: dict[int, _Slot] = {}
+        for bid, b in uniq.items():
+            views[bid] = _Slot(self._place(regions[b.device], b), regions[b.device])
+        for m, n, b in entries:
+            slot = views[id(b)]
+            m._buffers[n] = slot.view
+            self._buffer_slots.append((m, n, slot))
+
+    def adopt_optimizer_states(self) -> int:
+        """Adopt optimizer state tensors not adopted yet (new, or replaced by ``load_state_dict``).
+
+        Called after every ``optimizer.step()`` and at every offload; returns the number of tensors adopted.
+        """
+        opt = self.optimizer
+        if opt is None or self._closed or self.paused("optimizer"):
+            return 0
+        todo: list[tuple[int, str, dict, torch.Tensor]] = []
+        live: set[tuple[int, str]] = set()
+        for p, st in opt.state.items():
+            pdev = p.device
+            for k, v in st.items():
+                if type(v) is not torch.Tensor or v.device != pdev:
+                    continue  # host scalars of device parameters (Adam's step) stay where they are
+                key = (id(p), k)
+                live.add(key)
+                slot = self._state_slots.get(key)
+                if slot is not None and v.data_ptr() == slot.view.data_ptr():
+                    continue
+                todo.append((id(p), k, st, v))
+        if todo:
+            regions = self._new_regions("optimizer", (v for *_, v in todo))
+            for pid, k, st, v in todo:
+                region = regions[v.device]
+                view = self._place(region, v)
+                st[k] = view
+                self._state_slots[(pid, k)] = _Slot(view, region)
+        # A Region whose every view was replaced (load_state_dict) holds nothing live: give it back.
+        for key in [k for k in self._state_slots if k not in live]:
+            del self._state_slots[key]
+        used = {id(s.region) for s in self._state_slots.values()}
+        for region in [r for r in self._regions["optimizer"] if id(r) not in used]:
+            region.close()
+            self._regions["optimizer"].remove(region)
+        if todo and any(r.device.type == "cuda" for r in self._regions["optimizer"]):
+            torch.cuda.empty_cache()
+        return len(todo)
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if self.paused("params"):
+            raise RuntimeError(
+                f"TrainState {self.name!r}: the model was called while its parameters are offloaded "
+                f"(params={self._policy['params']!r}); call reload() first, or offload with params='keep' "
+                "if the rollout runs on the training model"
+            )
+        if self.paused("grads") and torch.is_grad_enabled() and self._grad_slots:
+            raise RuntimeError(
+                f"TrainState {self.name!r}: the model was called with autograd on while its gradients are "
+                "offloaded; run the rollout under torch.no_grad() / torch.inference_mode(), or reload() first"
+            )
+        if self.paused("buffers"):
+            raise RuntimeError(
+                f"TrainState {self.name!r}: the model was called while its buffers are offloaded; "
+                "call reload() first, or offload with buffers='keep'"
+            )
+
+    def _after_accumulate(self, p: nn.Parameter) -> None:
+        slot = self._grad_slots.get(id(p))
+        g = p.grad
+        if slot is None or g is None or g.data_ptr() == slot.view.data_ptr():
+            return
+        if self.paused("grads"):
+            raise RuntimeError(
+                f"TrainState {self.name!r}: backward produced gradients while they are offloaded; "
+                "call reload() before training"
+            )
+        if g.shape != slot.view.shape or g.dtype != slot.view.dtype or g.layout != torch.strided:
+            return  # not a gradient of the parameter's own kind: leave it to PyTorch
+        slot.view.copy_(g)
+        p.grad = slot.view
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for cat in ("params", "grads", "optimizer"):
+            if self.paused(cat):
+                raise RuntimeError(
+                    f"TrainState {self.name!r}: optimizer.step() was called while {cat} are offloaded; "
+                    "call reload() first"
+                )
+        self._wait_pending(("grads", "optimizer"))
+
+    def _settle_optimizer(self) -> None:
+        # A checkpoint must read the states themselves, not memory a reload is still filling.
+        for h in self._pending["optimizer"]:
+            h.synchronize()
+        self._pending["optimizer"] = []
+
+    def _wait_pending(self, categories: Iterable[str]) -> None:
+        for cat in categories:
+            for h in self._pending[cat]:
+                h.wait()
+            self._pending[cat] = []
+
+    # -- offload / reload ----------------------------------------------------------------------------
+    def paused(self, category: str) -> bool:
+        """True while ``category``'s memory is released (offloaded or discarded)."""
+        return self._policy[category] != "keep"
+
+    def regions(self, category: str | None = None) -> list[Region]:
+        """The Regions of one category (or all of them)."""
+        if category is None:
+            return [r for c in CATEGORIES for r in self._regions[c]]
+        return list(self._regions[category])
+
+    def offload(
+        self,
+        *,
+        params: str = "offload",
+        grads: str = "discard",
+        optimizer: str = "offload",
+        buffers: str = "keep",
+        blocking: bool = False,
+    ) -> None:
+        """Release device memory per category: ``"offload"`` (to pinned host memory), ``"discard"`` or
+        ``"keep"``. Categories already offloaded are left as they are.
+
+        Args:
+            params, grads, optimizer, buffers: the policy of each category. Discarded parameters and
+                buffers come back uninitialised (for weights the caller reloads itself); discarded gradients
+                become None (as after ``zero_grad()``); discarded optimizer states are forgotten (``step()``
+                starts from fresh state, as a new optimizer would).
+            blocking: return once the memory is released; otherwise release continues in the background
+                (``reload()`` and the next ``offload()`` wait for it).
+
+        Raises:
+            ValueError: a policy is not one of "keep", "offload", "discard".
+            HostOutOfMemoryError: a backup could not be allocated; that category stays resident.
+        """
+        policies = {
+            "params": check_policy("params", params),
+            "grads": check_policy("grads", grads),
+            "optimizer": check_policy("optimizer", optimizer),
+            "buffers": check_policy("buffers", buffers),
+        }
+        if not isinstance(blocking, bool):
+            raise ValueError(f"blocking must be True or False, got {blocking!r}")
+        self._check_open()
+        self._wait_pending(CATEGORIES)
+        self.adopt_optimizer_states()
+        t0 = time.perf_counter()
+        nbytes = 0
+        if policies["grads"] == "discard" and not self.paused("grads"):
+            for p in self._params:
+                if id(p) in self._grad_slots:
+                    p.grad = None
+        if policies["optimizer"] == "discard":
+            self._forget_optimizer_states()
+        for cat in ("optimizer", "grads", "params", "buffers"):
+            policy = policies[cat]
+            if cat == "optimizer" and policy == "discard":
+                continue
+            if policy == "keep" or self.paused(cat) or not self._regions[cat]:
+                continue
+            for region in self._regions[cat]:
+                h = region.pause(keep=policy == "offload", blocking=blocking)
+                if not blocking:
+                    self._pending[cat].append(h)
+                nbytes += region.used_bytes if policy == "offload" else 0
+            self._policy[cat] = policy
+        self._last.update(offload_s=time.perf_counter() - t0 if blocking else None, offload_bytes=nbytes)
+
+    def _forget_optimizer_states(self) -> None:
+        # Discarding optimizer states means forgetting them: step() then starts from fresh state, as a new
+        # optimizer would, instead of reading uninitialised memory.
+        opt = self.optimizer
+        if opt is None:
+            return
+        adopted = {pid for pid, _ in self._state_slots}
+        for p in list(opt.state):
+            if id(p) in adopted:
+                del opt.state[p]
+        self._state_slots.clear()
+        for region in self._regions["optimizer"]:
+            region.close()
+        self._regions["optimizer"].clear()
+
+    def reload(self, *, blocking: bool = False) -> None:
+        """Bring offloaded categories back: parameters first, optimizer states last.
+
+        With ``blocking=False`` the copies run on a dedicated stream: the current stream is ordered after
+        the parameter, buffer and gradient copies (so a forward queued now starts as soon as the weights are
+        in), and ``optimizer.step()`` waits for the optimizer states, and only it (``optimizer.state_dict()``
+        and :meth:`synchronize` wait too; reading ``optimizer.state`` directly before either does not).
+
+        Raises:
+            OutOfMemoryError: the device cannot take a category back; categories already back stay back, the
+                rest stay offloaded and ``reload()`` can be retried after freeing memory.
+        """
+        if not isinstance(blocking, bool):
+            raise ValueError(f"blocking must be True or False, got {blocking!r}")
+        self._check_open()
+        self._wait_pending(CATEGORIES)
+        t0 = time.perf_counter()
+        nbytes = 0
+        for cat in CATEGORIES:
+            if not self.paused(cat):
+                continue
+            for region in self._regions[cat]:
+                if region.paused:
+                    h = region.resume(blocking=blocking)
+                    nbytes += region.stats().last_resume_bytes
+                    if not blocking:
+                        self._pending[cat].append(h)
+            self._policy[cat] = "keep"
+        if not blocking:
+            self._wait_pending(("params", "buffers", "grads"))  # stream-ordered, no host wait
+        self._last.update(reload_s=time.perf_counter() - t0 if blocking else None, reload_bytes=nbytes)
+
+    def reserve_backups(
+        self, categories: Iterable[str] = ("params", "optimizer"), *, blocking: bool = False
+    ) -> None:
+        """Allocate the pinned backups of ``categories`` now (in the background by default), so that the
+        first offload runs at link speed instead of waiting for page-locking."""
+        for cat in categories:
+            for region in self._regions[cat]:
+                region.reserve_backup(blocking=blocking)
+
+    def synchronize(self) -> None:
+        """Block until every offload or reload in flight has completed."""
+        for cat in CATEGORIES:
+            for h in self._pending[cat]:
+                h.synchronize()
+            self._pending[cat] = []
+
+    # -- stats and teardown --------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Bytes per category (total, resident, host backup), the current policy, and the last switch."""
+        cats = {}
+        for cat in CATEGORIES:
+            rs = self._regions[cat]
+            cats[cat] = {
+                "bytes": sum(r.used_bytes for r in rs),
+                "reserved_bytes": sum(r.nbytes for r in rs),
+                "resident_bytes": sum(r.resident_bytes for r in rs),
+                "backup_bytes": sum(r.backup_bytes for r in rs),
+                "policy": self._policy[cat],
+                "regions": len(rs),
+            }
+        last = dict(self._last)
+        for k in ("offload", "reload"):
+            s, b = last[f"{k}_s"], last[f"{k}_bytes"]
+            last[f"{k}_gbps"] = b / s / 1e9 if s and b else None
+        return {"categories": cats, "last": last}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"TrainState {self.name!r} is closed")
+
+    def close(self) -> None:
+        """Give every tensor back to PyTorch's allocator (reloading first if needed) and remove the hooks.
+
+        The model and optimizer keep working without rlmem afterwards. Idempotent.
+        """
+        if self._closed:
+            return
+        self.reload(blocking=True)
+        self.synchronize()
+        copies: dict[int, torch.Tensor] = {}
+
+        def plain(view: torch.Tensor) -> torch.Tensor:
+            if id(view) not in copies:
+                copies[id(view)] = view.clone()
+            return copies[id(view)]
+
+        for p in self._params:
+            slot = self._param_slots.get(id(p))
+            if slot is not None:
+                p.data = plain(slot.view)
+            gslot = self._grad_slots.get(id(p))
+            if gslot is not None and p.grad is not None and p.grad.data_ptr() == gslot.view.data_ptr():
+                p.grad = plain(gslot.view)
+        for m, n, slot in self._buffer_slots:
+            m._buffers[n] = plain(slot.view)
+        if self.optimizer is not None:
+            for p, st in self.optimizer.state.items():
+                for k, v in list(st.items()):
+                    slot = self._state_slots.get((id(p), k))
+                    if (
+                        slot is not None
+                        and isinstance(v, torch.Tensor)
+                        and v.data_ptr() == slot.view.data_ptr()
+                    ):
+                        st[k] = plain(slot.view)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for region in self.regions():
+            region.close()
+        self._closed = True
+        self._param_slots.clear()
+        self._grad_slots.clear()
+        self._state_slots.clear()
+        self._buffer_slots.clear()

@@ -1,0 +1,45 @@
+"""Small models for state tests: tied weights, a frozen layer, a non-contiguous and a bf16 parameter."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 61, dim: int = 24, mixed: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.mix = nn.Parameter(torch.randn(dim, dim).t())  # non-contiguous
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.scale = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16 if mixed else torch.float32))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("offset", torch.linspace(0, 1, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.offset
+        h = torch.tanh(self.frozen(h)) @ self.mix
+        h = h + self.down(torch.relu(self.up(h)))
+        h = h * self.scale.float()
+        return self.head(h)
+
+
+def make(seed: int = 0, device: str = "cpu", mixed: bool = True) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(mixed=mixed).to(device)
+
+
+OPTIMIZERS = {
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw-forloop": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+}

@@ -1,0 +1,117 @@
+"""OffloadConfig and PhaseManager: one switch, engines sleep in train and wake in rollout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import make
+
+import rlmem
+from rlmem import OffloadConfig, PhaseManager
+
+
+class KVEngine:
+    """A rollout engine whose KV cache is a Region: released while training, taken again for rollout."""
+
+    def __init__(self, device: str, nbytes: int = 4 << 20) -> None:
+        self.kv = rlmem.Region(nbytes, device, name="kv")
+        self.cache = self.kv.empty(nbytes // 4, torch.float32)
+        self.calls: list[str] = []
+
+    def sleep(self) -> None:
+        self.kv.pause(keep=False)
+        self.calls.append("sleep")
+
+    def wake(self) -> None:
+        self.kv.resume()
+        self.calls.append("wake")
+
+    def generate(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(x)
+        self.cache[: logits.numel()].copy_(logits.reshape(-1).float())  # the cache is usable memory
+        return logits.argmax(-1)
+
+
+def _loop(device: str, config: OffloadConfig, steps: int = 4, prefetch: bool = False):
+    model = make(0, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    pm = PhaseManager(model, opt, config)
+    engine = KVEngine(device)
+    pm.add_engine(engine)
+    g = torch.Generator().manual_seed(5)
+    losses, seen = [], []
+    for _ in range(steps):
+        x = torch.randint(0, 61, (4, 9), generator=g).to(device)
+        with pm.rollout():
+            y = engine.generate(model, x)  # params="keep" in these configs: rollout on the training model
+            if pm.enabled:
+                seen.append(dict(pm.state.stats()["categories"]["optimizer"]))
+        if prefetch:
+            pm.prefetch()
+        with pm.train():
+            loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, pm, engine, seen, model
+
+
+def test_disabled_allocates_nothing_and_changes_nothing(device):
+    model = make(0, device)
+    opt = torch.optim.AdamW(model.parameters())
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    held = rlmem.host_memory_held()
+    pm = PhaseManager(model, opt)
+    engine = KVEngine(device)
+    pm.add_engine(engine)
+    with pm.rollout():
+        pass
+    pm.prefetch()
+    with pm.train():
+        pass
+    assert pm.state is None and not pm.enabled
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert rlmem.host_memory_held() == held and engine.calls == []
+    assert pm.stats()["enabled"] is False
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_enabled_loop_matches_disabled_loop(device, prefetch):
+    on = OffloadConfig(offload_during_rollout=True, params="keep", grads="discard", optimizer="offload")
+    ref, *_ = _loop(device, OffloadConfig())
+    got, pm, engine, seen, _ = _loop(device, on, prefetch=prefetch)
+    assert got == ref
+    assert engine.calls[:3] == ["wake", "sleep", "wake"]
+    assert all(s["resident_bytes"] == 0 and s["policy"] == "offload" for s in seen[1:])
+    assert engine.kv.paused and pm.phase == "train"
+    st = pm.stats()
+    assert st["switches"]["count"] == 8 and st["switches"]["rollout_s"] > 0
+    assert st["state"]["categories"]["optimizer"]["resident_bytes"] > 0
+
+
+def test_params_offloaded_rollout_on_the_training_model_is_refused(device):
+    config = OffloadConfig(offload_during_rollout=True)  # params="offload"
+    with pytest.raises(RuntimeError, match="params='keep'"):
+        _loop(device, config, steps=2)
+
+
+def test_config_is_validated_and_keyword_only():
+    with pytest.raises(ValueError, match=r"OffloadConfig\.params must be one of"):
+        OffloadConfig(params="cpu")
+    with pytest.raises(ValueError, match=r"OffloadConfig\.offload_during_rollout must be True or False"):
+        OffloadConfig(offload_during_rollout="yes")
+    with pytest.raises(ValueError, match=r"OffloadConfig\.grads"):
+        OffloadConfig(grads=None)
+    with pytest.raises(TypeError):
+        OffloadConfig(True)  # type: ignore[misc]
+    with pytest.raises(ValueError, match="config must be an OffloadConfig"):
+        PhaseManager(make(0), None, {"offload_during_rollout": True})
+
+
+def test_engines_need_sleep_and_wake():
+    pm = PhaseManager(make(0))
+    with pytest.raises(ValueError, match="sleep\\(\\) and wake\\(\\)"):
+        pm.add_engine(object())
+    assert isinstance(KVEngine("cpu"), rlmem.Engine)

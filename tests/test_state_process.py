@@ -1,0 +1,112 @@
+"""TrainState observed from fresh processes: memory during rollout, 200-cycle soak, and DDP on two ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from _helpers import ROOT, run_fresh
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+_SOAK = """
+import json, resource, sys, torch, rlmem
+sys.path.insert(0, "TESTS")
+from _models import make
+dev = DEVICE
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+def free():
+    return torch.cuda.mem_get_info()[0] if dev == "cuda" else 0
+model = make(0, dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+st = rlmem.TrainState(model, opt)
+x = torch.randint(0, 61, (4, 9)).to(dev)
+def cycle(k):
+    model(x).float().logsumexp(-1).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    st.offload(blocking=k % 2 == 0)
+    st.reload(blocking=k % 2 == 1)
+for k in range(20):
+    cycle(k)
+st.synchronize()
+start = (rss(), free(), rlmem.host_memory_held())
+for k in range(200):
+    cycle(k)
+st.synchronize()
+end = (rss(), free(), rlmem.host_memory_held())
+print(json.dumps({"rss_growth": end[0] - start[0], "free_change": end[1] - start[1],
+                  "held": [start[2], end[2]], "regions": len(st.regions())}))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_200_offload_cycles_grow_nothing(device):
+    out = run_fresh(_SOAK.replace("DEVICE", repr(device)).replace("TESTS", str(ROOT / "tests")))
+    assert out["held"][0] == out["held"][1]
+    assert out["rss_growth"] < 16 << 20, out
+    assert out["free_change"] == 0, out
+    assert out["regions"] == 3  # params, grads, optimizer: no region piles up
+
+
+@pytest.mark.cuda
+def test_rollout_device_memory_is_baseline_plus_one_percent():
+    out = run_fresh(
+        """
+        import json, sys, torch, rlmem
+        def used():
+            torch.cuda.synchronize(); torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            return total - free
+        # warm up the same kernels (cuBLAS workspace, autograd) on a throwaway model
+        w = torch.nn.Linear(1024, 1024, device="cuda")
+        w(torch.randn(8, 1024, device="cuda")).sum().backward()
+        del w
+        base = used()
+        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, device="cuda") for _ in range(8)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        x = torch.randn(16, 2048, device="cuda")
+        model(x).sum().backward(); opt.step(); opt.zero_grad(set_to_none=False)
+        st = rlmem.TrainState(model, opt)
+        state = sum(r.used_bytes for r in st.regions())
+        before = used()
+        st.offload(params="offload", grads="offload", optimizer="offload", blocking=True)
+        during = used()
+        st.reload(blocking=True)
+        after = used()
+        print(json.dumps({"base": base, "state": state, "before": before, "during": during, "after": after}))
+        """
+    )
+    assert out["before"] - out["base"] >= out["state"]  # the state was resident
+    assert out["during"] <= out["base"] + 0.01 * out["state"], out
+    assert out["after"] - out["base"] >= out["state"]
+
+
+def _ddp(backend: str, device: str, tmp_path) -> dict:
+    out = tmp_path / "ddp.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_ddp.py"), backend, device, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_ddp_gloo_two_ranks_match_without_offload(tmp_path):
+    res = _ddp("gloo", "cpu", tmp_path)
+    assert res["got"] == res["ref"]
+
+
+@pytest.mark.gpus(2)
+def test_ddp_nccl_two_gpus_match_without_offload(tmp_path):
+    res = _ddp("nccl", "cuda", tmp_path)
+    assert res["got"] == res["ref"]
