@@ -7,7 +7,7 @@ import sys
 
 from . import __version__
 
-_BENCHES = ("region",)
+_BENCHES = ("region", "phase_switch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         p.print_help()
         return 2
     args, rest = p.parse_known_args(argv)
-    if args.command == "bench" and args.name == "region":
-        from .benchmarks.region import main as bench_main
+    if args.command == "bench":
+        import importlib
 
-        return bench_main(rest)
+        return importlib.import_module(f".benchmarks.{args.name}", __package__).main(rest)
     p.error(f"unknown arguments: {' '.join(rest)}")
     return 2

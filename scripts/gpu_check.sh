@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench] [pytest args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase] [pytest args...]
+# Carry .whl (torch_memory_saver 0.0.10) for the phase_switch comparison; see README.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlmem-gpu-check}
@@ -11,6 +12,11 @@ shift || true
 machine=${RLMEM_MACHINE:-}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
+# Wheels carried to the GPU machine (.whl/, git-ignored): torch_memory_saver for the phase_switch comparison.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 {
   date -u
@@ -29,11 +35,16 @@ if [[ $what == all || $what == tests ]]; then
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 
-if [[ $what == all || $what == bench ]]; then
-  name=${machine:-$(python3 -c 'import torch; from rlmem.benchmarks._common import machine_name as m
-print(m(torch.device("cuda", 0)))')}
+name=${machine:-$(python3 -c 'import torch; from rlmem.benchmarks._common import machine_name as m
+print(m(torch.device("cuda", 0)))' 2>/dev/null)}
+if [[ $what == all || $what == bench || $what == bench-region ]]; then
   python3 bench/region.py --machine "$name" --chunk-sweep 256,1024,2048 --json "$OUT/region-$name.json" \
     2>&1 | tee "$OUT/bench_region.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == all || $what == bench || $what == bench-phase ]]; then
+  python3 bench/phase_switch.py --machine "$name" --json "$OUT/phase_switch-$name.json" \
+    2>&1 | tee "$OUT/bench_phase_switch.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 exit $status

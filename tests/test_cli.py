@@ -64,3 +64,25 @@ def test_bench_region_rejects_bad_sizes():
     assert p.returncode == 2 and "--sizes" in p.stderr
     p = _rlmem("bench", "unknown")
     assert p.returncode == 2
+
+
+def test_bench_phase_switch_runs_its_contenders_on_cpu(tmp_path):
+    out = tmp_path / "ps.json"
+    p = _rlmem(
+        "bench",
+        "phase_switch",
+        "--device",
+        "cpu",
+        "--parts",
+        "rlmem,naive",
+        "--cycles",
+        "3",
+        "--json",
+        str(out),
+    )
+    assert p.returncode == 0, p.stderr
+    data = json.loads(out.read_text())
+    r = data["results"]["rlmem"]
+    assert r["intact"] and r["state_bytes"] > 0 and len(r["cycles"]) == 3
+    assert data["results"]["naive"]["intact"]
+    assert {"speedup_vs_naive", "first_cycle_s", "freed_fraction"} <= set(data["summary"])

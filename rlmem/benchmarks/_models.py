@@ -1,0 +1,77 @@
+"""Model presets shared by the benchmarks: the 2.47B Qwen2-shaped model of DESIGN.md and small stand-ins.
+
+``qwen2-2.5b``: hidden 2048, 28 layers, MLP 11008, 16 heads / 2 KV heads, vocabulary 151936, tied
+embeddings: 2.47B parameters; in bf16 with AdamW that is 4.6 GiB each of parameters and gradients and
+9.2 GiB of optimizer state (18.4 GiB). ``qwen2-tiny`` is the same shape family at toy size; ``mlp-tiny``
+needs no ``transformers`` (CPU smoke runs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+QWEN2 = {
+    "qwen2-2.5b": dict(
+        hidden_size=2048,
+        num_hidden_layers=28,
+        intermediate_size=11008,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
+    "qwen2-tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    ),
+}
+PRESETS = (*QWEN2, "mlp-tiny")
+
+
+class _MLPLM(nn.Module):
+    def __init__(self, vocab: int = 512, dim: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.vocab = vocab
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        logits = self.head(self.embed(input_ids) + self.body(self.embed(input_ids)))
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return type("Out", (), {"loss": loss, "logits": logits})()
+
+
+def vocab_size(preset: str) -> int:
+    return QWEN2[preset]["vocab_size"] if preset in QWEN2 else 512
+
+
+def build(preset: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+    """A randomly initialised model of ``preset``, created directly on ``device`` in ``dtype``."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {preset!r}")
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            if preset == "mlp-tiny":
+                return _MLPLM()
+            try:
+                from transformers import Qwen2Config, Qwen2ForCausalLM
+            except ImportError as e:
+                raise RuntimeError(f"preset {preset!r} needs the 'transformers' package") from e
+            cfg = Qwen2Config(**QWEN2[preset], torch_dtype=dtype)
+            return Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
