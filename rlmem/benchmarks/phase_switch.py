@@ -37,15 +37,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _used(device: torch.device) -> int:
-    """Device memory in use (after returning PyTorch's cached free blocks)."""
+def _used(device: torch.device, empty_cache: bool = True) -> int:
+    """Device memory in use (after returning PyTorch's cached free blocks, unless told not to)."""
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
-    try:
+    if empty_cache:
         torch.cuda.empty_cache()
-    except RuntimeError:
-        pass  # a pluggable allocator (torch_memory_saver's) may not implement it
     free, total = torch.cuda.mem_get_info(device)
     return total - free
 
@@ -208,12 +206,14 @@ def part_tms(preset: str, device: torch.device, cycles: int, seq: int) -> dict[s
             tms.retain_cpu_backup = True
         rows = []
         for _ in range(cycles):
-            resident = _used(device)
+            # No empty_cache() here: torch_memory_saver's pool frees its cached blocks through a hook that
+            # aborts outside its region; those blocks are its own and pause() releases them anyway.
+            resident = _used(device, empty_cache=False)
             t0 = time.perf_counter()
             tms.pause("train")
             _sync(device)
             pause_s = time.perf_counter() - t0
-            during = _used(device)
+            during = _used(device, empty_cache=False)
             t0 = time.perf_counter()
             tms.resume("train")
             _sync(device)
