@@ -180,3 +180,22 @@ def test_region_on_another_device_index():
     r.resume(blocking=False).wait(torch.cuda.current_stream(1))
     assert same_bytes(x, ref)
     assert torch.cuda.current_device() == 0
+
+
+def test_first_region_in_a_process_costs_little_beyond_itself():
+    out = run_fresh(
+        """
+        import json, torch, rlmem
+        def used():
+            torch.cuda.synchronize(); torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            return total - free
+        torch.zeros(1, device="cuda")
+        base = used()
+        r = rlmem.Region(64 << 20, "cuda")
+        r.empty(1 << 20, torch.uint8).fill_(1)
+        r.pause(); r.resume()
+        print(json.dumps({"extra": used() - base - r.nbytes}))
+        """
+    )
+    assert out["extra"] <= 8 << 20, out  # copy streams and page tables, not PyTorch's 70 MiB stream pool

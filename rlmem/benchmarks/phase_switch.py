@@ -253,9 +253,13 @@ def _run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     ]
     print(f"  running {part} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+    out = json.loads(lines[-1])
     if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        out["exit_note"] = f"exit {proc.returncode} after reporting: {proc.stderr[-500:].strip()}"
+    return out
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -314,7 +318,11 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
     if args.cycles < 2:
         p.error("--cycles must be at least 2")
     if args.part:
-        print(json.dumps(PARTS[args.part](args.preset, device, args.cycles, args.seq)))
+        print(json.dumps(PARTS[args.part](args.preset, device, args.cycles, args.seq)), flush=True)
+        if args.part == "tms":
+            # torch_memory_saver's pool aborts when its blocks are freed outside its region, which
+            # interpreter teardown does: leave without running destructors, results already printed.
+            os._exit(0)
         return 0
     parts = [x for x in args.parts.split(",") if x]
     if "rlmem" not in parts or "naive" not in parts or any(x not in PARTS for x in parts):
