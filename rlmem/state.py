@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _dtensor as _dt
 from .region import Handle, Region
 
 __all__ = ["CATEGORIES", "POLICIES", "TrainState"]
@@ -88,7 +89,10 @@ class TrainState:
     """Parameters, gradients and optimizer states of a model, adopted into Regions so they can be offloaded.
 
     Args:
-        model: any ``nn.Module``. Tied parameters keep one storage; frozen parameters count as params;
+        model: any ``nn.Module``, DDP- or FSDP2-wrapped too (DTensor parameters: each rank adopts its own
+            shards, and FSDP's sharded storage is re-pointed so FSDP keeps working unchanged; gradients
+            FSDP makes are adopted when offloaded). Tied parameters keep one storage; frozen parameters
+            count as params;
             parameters with dense non-contiguous strides (a transposed weight) keep them, and the rare ones
             with gaps between elements become contiguous. Parameters may live on several devices
             (one Region per category and device) or on the CPU (host backend).
@@ -133,6 +137,7 @@ class TrainState:
         self._param_slots: dict[int, _Slot] = {}
         self._grad_slots: dict[int, _Slot] = {}
         self._buffer_slots: list[tuple[nn.Module, str, _Slot]] = []
+        self._repointed: list[tuple[str, Region, torch.Tensor, list[torch.Tensor]]] = []
         self._state_slots: dict[tuple[int, str], _Slot] = {}
         self._hooks: list[Any] = []
         self._policy: dict[str, str] = dict.fromkeys(CATEGORIES, "keep")
@@ -157,7 +162,8 @@ class TrainState:
             self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.adopt_optimizer_states()))
         for m in model.modules():
             if m._parameters or (buffers and m._buffers):
-                self._hooks.append(m.register_forward_pre_hook(self._before_forward))
+                # prepend: run before FSDP's own pre-forward all-gather reads the sharded parameters
+                self._hooks.append(m.register_forward_pre_hook(self._before_forward, prepend=True))
         if any(t.device.type == "cuda" for t in params):
             torch.cuda.empty_cache()  # the tensors adopted from the caching allocator are free now
 
@@ -167,11 +173,12 @@ class TrainState:
     ) -> list[nn.Parameter]:
         params = list(model.parameters())
         for p in params:
-            if type(p.data) is not torch.Tensor or p.is_sparse or p.is_quantized or p.is_meta:
+            plain = type(p.data) is torch.Tensor or _dt.is_dtensor(p.data)
+            if not plain or p.is_sparse or p.is_quantized or p.is_meta or _dt.local(p.data).is_meta:
                 raise ValueError(
-                    f"TrainState adopts dense, materialised parameters; got a {type(p.data).__name__} "
-                    f"{'meta ' if p.is_meta else ''}parameter of shape {tuple(p.shape)} (DTensor/FSDP2 "
-                    "parameters are not supported yet)"
+                    "TrainState adopts dense, materialised parameters (plain tensors or DTensors); got a "
+                    f"{type(p.data).__name__} {'meta ' if p.is_meta else ''}parameter of shape "
+                    f"{tuple(p.shape)}"
                 )
         if optimizer is not None:
             owned = {id(p) for p in params}
@@ -187,9 +194,14 @@ class TrainState:
         return params
 
     def _new_regions(self, category: str, tensors: Iterable[torch.Tensor]) -> dict[torch.device, Region]:
+        return self._new_regions_for(category, ((t.device, _nbytes(t)) for t in tensors))
+
+    def _new_regions_for(
+        self, category: str, sizes_in: Iterable[tuple[torch.device, int]]
+    ) -> dict[torch.device, Region]:
         sizes: dict[torch.device, int] = defaultdict(int)
-        for t in tensors:
-            sizes[t.device] += _round_up(max(_nbytes(t), 1), _ALIGN)
+        for dev, n in sizes_in:
+            sizes[dev] += _round_up(max(n, 1), _ALIGN)
         out = {}
         for dev, size in sizes.items():
             region = Region(size, dev, name=f"{self.name}/{category}/{dev}")
@@ -203,7 +215,26 @@ class TrainState:
         view.copy_(t)
         return view
 
+    def _repoint(self, category: str, groups: list[list[torch.Tensor]]) -> None:
+        """Copy each group's storage into a Region of ``category`` and re-point the group's tensors."""
+        if not groups:
+            return
+        regions = self._new_regions_for(category, ((g[0].device, _dt.storage_bytes(g[0])) for g in groups))
+        for g in groups:
+            region = regions[g[0].device]
+            flat = region.empty(_dt.storage_bytes(g[0]), torch.uint8, align=_ALIGN)
+            _dt.copy_storage(g[0], flat)
+            _dt.repoint(g, flat)
+            self._repointed.append((category, region, flat, g))
+
     def _adopt_params(self, params: list[nn.Parameter]) -> None:
+        sharded = [p for p in params if _dt.is_dtensor(p.data)]
+        if sharded:
+            holders = _dt.fsdp_holders(self.model)
+            self._repoint(
+                "params", _dt.storage_groups([(_dt.local(p.data), holders.get(id(p), [])) for p in sharded])
+            )
+            params = [p for p in params if not _dt.is_dtensor(p.data)]
         # Distinct Parameter objects over the same memory must keep sharing it; overlaps that are not
         # identical views cannot be represented as separate contiguous views.
         keys: dict[tuple, int] = {}
@@ -245,7 +276,9 @@ class TrainState:
     def _adopt_grads(self, params: list[nn.Parameter]) -> None:
         # One slot per trainable Parameter object: even parameters aliasing the same data are separate
         # autograd leaves with separate gradients.
-        trainable = [p for p in params if p.requires_grad]
+        # Sharded (DTensor) gradients are made by FSDP's reduce-scatter, not accumulated by autograd: they
+        # are adopted when offloaded (see offload()).
+        trainable = [p for p in params if p.requires_grad and not _dt.is_dtensor(p.data)]
         regions = self._new_regions("grads", trainable)
         for p in trainable:
             region = regions[p.device]
@@ -284,18 +317,28 @@ class TrainState:
         if opt is None or self._closed or self.paused("optimizer"):
             return 0
         todo: list[tuple[int, str, dict, torch.Tensor]] = []
+        sharded: list[tuple[int, str, torch.Tensor]] = []
         live: set[tuple[int, str]] = set()
         for p, st in opt.state.items():
             pdev = p.device
             for k, v in st.items():
-                if type(v) is not torch.Tensor or v.device != pdev:
+                dt = _dt.is_dtensor(v)
+                if (type(v) is not torch.Tensor and not dt) or v.device != pdev:
                     continue  # host scalars of device parameters (Adam's step) stay where they are
                 key = (id(p), k)
                 live.add(key)
                 slot = self._state_slots.get(key)
-                if slot is not None and v.data_ptr() == slot.view.data_ptr():
+                if slot is not None and _dt.local(v).data_ptr() == slot.view.data_ptr():
                     continue
-                todo.append((id(p), k, st, v))
+                if dt:
+                    sharded.append((id(p), k, _dt.local(v)))
+                else:
+                    todo.append((id(p), k, st, v))
+        if sharded:
+            before = len(self._repointed)
+            self._repoint("optimizer", [[t] for *_, t in sharded])
+            for (pid, k, t), (_, region, _, _) in zip(sharded, self._repointed[before:], strict=True):
+                self._state_slots[(pid, k)] = _Slot(t, region)
         if todo:
             regions = self._new_regions("optimizer", (v for *_, v in todo))
             for pid, k, st, v in todo:
@@ -308,11 +351,27 @@ class TrainState:
             del self._state_slots[key]
         used = {id(s.region) for s in self._state_slots.values()}
         for region in [r for r in self._regions["optimizer"] if id(r) not in used]:
-            region.close()
-            self._regions["optimizer"].remove(region)
+            self._drop_region("optimizer", region)
+        todo = todo or sharded  # type: ignore[assignment]
         if todo and any(r.device.type == "cuda" for r in self._regions["optimizer"]):
             torch.cuda.empty_cache()
         return len(todo)
+
+    def _drop_region(self, category: str, region: Region) -> None:
+        region.close()
+        self._regions[category].remove(region)
+        self._repointed = [r for r in self._repointed if r[1] is not region]
+
+    def _adopt_sharded_grads(self) -> None:
+        """Move FSDP-made gradients into a Region (before offloading them), closing gradient Regions that no
+        gradient lives in any more."""
+        grads = [_dt.local(p.grad) for p in self._params if _dt.is_dtensor(p.data) and p.grad is not None]
+        inside = {t.data_ptr() for cat, _, _, g in self._repointed if cat == "grads" for t in g}
+        self._repoint("grads", _dt.storage_groups([(g, []) for g in grads if g.data_ptr() not in inside]))
+        live = {g.data_ptr() for g in grads}
+        for cat, region, _, g in list(self._repointed):
+            if cat == "grads" and not any(t.data_ptr() in live for t in g):
+                self._drop_region("grads", region)
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: Any) -> None:
@@ -419,8 +478,10 @@ class TrainState:
         nbytes = 0
         if policies["grads"] == "discard" and not self.paused("grads"):
             for p in self._params:
-                if id(p) in self._grad_slots:
+                if id(p) in self._grad_slots or _dt.is_dtensor(p.data):
                     p.grad = None
+        if policies["grads"] == "offload" and not self.paused("grads"):
+            self._adopt_sharded_grads()
         if policies["optimizer"] == "discard":
             self._forget_optimizer_states()
         for cat in ("optimizer", "grads", "params", "buffers"):
@@ -549,9 +610,13 @@ class TrainState:
                 p.grad = plain(gslot.view)
         for m, n, slot in self._buffer_slots:
             m._buffers[n] = plain(slot.view)
+        for _, _, flat, group in self._repointed:
+            _dt.repoint(group, flat.clone(), src_byte_offset=flat.storage_offset())
         if self.optimizer is not None:
             for p, st in self.optimizer.state.items():
                 for k, v in list(st.items()):
+                    if _dt.is_dtensor(v):
+                        continue  # re-pointed below with its storage group
                     slot = self._state_slots.get((id(p), k))
                     if (
                         slot is not None

@@ -91,11 +91,11 @@ def test_rollout_device_memory_is_baseline_plus_one_percent():
     assert out["after"] - out["base"] >= out["state"]
 
 
-def _ddp(backend: str, device: str, tmp_path) -> dict:
-    out = tmp_path / "ddp.json"
+def _dist(kind: str, backend: str, device: str, tmp_path) -> dict:
+    out = tmp_path / f"{kind}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_ddp.py"), backend, device, str(out)],
+        [sys.executable, str(ROOT / "tests" / "_dist.py"), kind, backend, device, str(out)],
         capture_output=True,
         text=True,
         env=env,
@@ -105,12 +105,16 @@ def _ddp(backend: str, device: str, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_ddp_gloo_two_ranks_match_without_offload(tmp_path):
-    res = _ddp("gloo", "cpu", tmp_path)
-    assert res["got"] == res["ref"]
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_two_ranks_on_gloo_match_without_offload(kind, tmp_path):
+    res = _dist(kind, "gloo", "cpu", tmp_path)
+    for grads in ("discard", "offload"):
+        assert res[grads]["got"] == res[grads]["ref"], grads
 
 
 @pytest.mark.gpus(2)
-def test_ddp_nccl_two_gpus_match_without_offload(tmp_path):
-    res = _ddp("nccl", "cuda", tmp_path)
-    assert res["got"] == res["ref"]
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_two_gpus_on_nccl_match_without_offload(kind, tmp_path):
+    res = _dist(kind, "nccl", "cuda", tmp_path)
+    for grads in ("discard", "offload"):
+        assert res[grads]["got"] == res[grads]["ref"], grads
