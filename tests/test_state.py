@@ -274,3 +274,31 @@ def test_host_memory_is_returned_by_close():
     assert rlmem.host_memory_held()["pageable"] > held["pageable"]
     st.close()
     assert rlmem.host_memory_held() == held
+
+
+@pytest.mark.gpus(2)
+def test_model_on_two_devices_gets_a_region_per_device():
+    def run(offload):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32).to("cuda:0"), torch.nn.Linear(32, 8).to("cuda:1"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        st = TrainState(model, opt) if offload else None
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for _ in range(4):
+            x = torch.randn(4, 16, generator=g).to("cuda:0")
+            loss = model[1](model[0](x).to("cuda:1")).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if st is not None:
+                st.offload(blocking=True)
+                st.reload(blocking=False)
+        if st is not None:
+            st.synchronize()
+            assert {r.device.index for r in st.regions("params")} == {0, 1}
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    ref, got = run(False), run(True)
+    assert ref[0] == got[0] and all(torch.equal(a, b) for a, b in zip(ref[1], got[1], strict=True))
