@@ -352,10 +352,10 @@ class TrainState:
         used = {id(s.region) for s in self._state_slots.values()}
         for region in [r for r in self._regions["optimizer"] if id(r) not in used]:
             self._drop_region("optimizer", region)
-        todo = todo or sharded  # type: ignore[assignment]
-        if todo and any(r.device.type == "cuda" for r in self._regions["optimizer"]):
+        adopted = len(todo) + len(sharded)
+        if adopted and any(r.device.type == "cuda" for r in self._regions["optimizer"]):
             torch.cuda.empty_cache()
-        return len(todo)
+        return adopted
 
     def _drop_region(self, category: str, region: Region) -> None:
         region.close()
