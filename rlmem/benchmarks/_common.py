@@ -114,6 +114,33 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]
     return "\n".join(out)
 
 
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    ">=": lambda a, b: a >= b,
+    ">": lambda a, b: a > b,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+}
+
+
+def check_targets(summary: dict[str, Any], targets: dict[str, tuple[str, float]]) -> dict[str, bool]:
+    """Which targets (``name: (op, value)``) the summary meets; targets it has no figure for are left out."""
+    return {k: _OPS[op](summary[k], v) for k, (op, v) in targets.items() if k in summary}
+
+
+def targets_text(targets: dict[str, tuple[str, float]]) -> dict[str, str]:
+    return {k: f"{op} {v:g}" for k, (op, v) in targets.items()}
+
+
+def summary_lines(summary: dict[str, Any], met: dict[str, bool]) -> str:
+    """The summary and target lines every benchmark prints under its table."""
+    text = "summary: " + ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()
+    )
+    if met:
+        text += "\ntargets met: " + ", ".join(f"{k}={v}" for k, v in met.items())
+    return text
+
+
 def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

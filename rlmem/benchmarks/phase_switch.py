@@ -25,7 +25,16 @@ from typing import Any
 
 import torch
 
-from ._common import environment, format_table, machine_name, median, write_json
+from ._common import (
+    check_targets,
+    environment,
+    format_table,
+    machine_name,
+    median,
+    summary_lines,
+    targets_text,
+    write_json,
+)
 from ._models import PRESETS, build, vocab_size
 
 NAME = "phase_switch"
@@ -335,10 +344,7 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
             print(f"{k} failed:\n{v}", file=sys.stderr)
         return 1
     summary = summarize(res)
-    met = {}
-    for k, (op, v) in TARGETS.items():
-        if k in summary:
-            met[k] = summary[k] >= v if op == ">=" else (summary[k] > v if op == ">" else summary[k] < v)
+    met = check_targets(summary, TARGETS)
     table = []
     r, n = res["rlmem"], res["naive"]
     table.append(
@@ -392,11 +398,7 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
             ],
         )
     )
-    print(
-        "summary: "
-        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
-    )
-    print("targets met: " + ", ".join(f"{k}={v}" for k, v in met.items()))
+    print(summary_lines(summary, met))
     payload = {
         "name": NAME,
         "machine": machine,
@@ -404,7 +406,7 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         "config": {"preset": args.preset, "cycles": args.cycles, "seq": args.seq, "parts": parts},
         "results": res,
         "summary": summary,
-        "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
+        "targets": targets_text(TARGETS),
         "targets_met": met,
     }
     out = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)

@@ -20,11 +20,26 @@ from typing import Any
 import torch
 
 from ..region import Region
-from ._common import environment, format_table, machine_name, median, sync, timed, write_json
+from ._common import (
+    check_targets,
+    environment,
+    format_table,
+    machine_name,
+    median,
+    summary_lines,
+    sync,
+    targets_text,
+    timed,
+    write_json,
+)
 
 NAME = "region"
 _GiB = 1 << 30
-TARGETS = {"pause_vs_pinned": 0.90, "resume_vs_pinned": 0.90, "discard_cycle_ms_16GiB": 20.0}
+TARGETS = {
+    "pause_vs_pinned": (">=", 0.90),
+    "resume_vs_pinned": (">=", 0.90),
+    "discard_cycle_ms_16GiB": ("<", 20.0),
+}
 
 
 def _in_use(device: torch.device, region: Region) -> int:
@@ -183,11 +198,7 @@ def run(
     }
     if any(r["size_gib"] == 16 for r in rows):
         summary["discard_cycle_ms_16GiB"] = next(r for r in rows if r["size_gib"] == 16)["discard_cycle_ms"]
-    met = {
-        k: (summary[k] >= v if k.endswith("pinned") else summary[k] < v)
-        for k, v in TARGETS.items()
-        if k in summary
-    }
+    met = check_targets(summary, TARGETS)
     return {
         "name": NAME,
         "config": {
@@ -200,11 +211,7 @@ def run(
         "rows": rows,
         "chunk_sweep": sweep,
         "summary": summary,
-        "targets": {
-            "pause_vs_pinned": ">= 0.90",
-            "resume_vs_pinned": ">= 0.90",
-            "discard_cycle_ms_16GiB": "< 20",
-        },
+        "targets": targets_text(TARGETS),
         "targets_met": met,
     }
 
@@ -284,14 +291,7 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
                 ],
             )
         )
-    print(
-        "\nsummary: "
-        + ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result["summary"].items()
-        )
-    )
-    if result["targets_met"]:
-        print("targets met: " + ", ".join(f"{k}={v}" for k, v in result["targets_met"].items()))
+    print("\n" + summary_lines(result["summary"], result["targets_met"]))
     out = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
     if out:
         print(f"wrote {write_json(out, payload)}")
