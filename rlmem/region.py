@@ -397,17 +397,7 @@ class Region:
             if blocking:
                 self._pause_work(saved, after, t0)
                 return Handle("pause")
-            handle = Handle("pause", device=self._device)
-            thread = threading.Thread(
-                target=self._run_worker,
-                args=(handle, self._pause_work, saved, after, t0),
-                name=f"rlmem-pause-{self.name}",
-                daemon=True,
-            )
-            handle._thread = thread
-            self._op = handle
-            thread.start()
-            return handle
+            return self._start_op("pause", self._pause_work, saved, after, t0)
 
     def _pause_work(self, saved: list[int], after: Any, t0: float) -> None:
         backend = self._backend
@@ -455,17 +445,7 @@ class Region:
             if blocking:
                 self._ensure_backup(used[-1])
                 return Handle("backup")
-            handle = Handle("backup")
-            thread = threading.Thread(
-                target=self._run_worker,
-                args=(handle, self._ensure_backup, used[-1]),
-                name=f"rlmem-backup-{self.name}",
-                daemon=True,
-            )
-            handle._thread = thread
-            self._op = handle
-            thread.start()
-            return handle
+            return self._start_op("backup", self._ensure_backup, used[-1])
 
     def _ensure_backup(self, nbytes: int) -> None:
         b = self._backup
@@ -504,17 +484,7 @@ class Region:
                 return Handle("resume", event=self._resume_done, device=self._device)
             t0 = time.perf_counter()
             if not blocking and not self._backend.asynchronous:
-                handle = Handle("resume", device=self._device)
-                thread = threading.Thread(
-                    target=self._run_worker,
-                    args=(handle, self._resume_work, t0, True),
-                    name=f"rlmem-resume-{self.name}",
-                    daemon=True,
-                )
-                handle._thread = thread
-                self._op = handle
-                thread.start()
-                return handle
+                return self._start_op("resume", self._resume_work, t0, True)
             done = self._resume_work(t0, blocking)
             return Handle("resume", event=None if blocking else done, device=self._device)
 
@@ -591,6 +561,18 @@ class Region:
             raise
 
     # -- lifecycle -----------------------------------------------------------------------------------
+    def _start_op(self, kind: str, fn: Callable[..., Any], *args: Any) -> Handle:
+        """Run ``fn(*args)`` on a worker thread as the Region's operation in flight; the next operation
+        joins it first (``_settle``)."""
+        handle = Handle(kind, device=self._device)
+        thread = threading.Thread(
+            target=self._run_worker, args=(handle, fn, *args), name=f"rlmem-{kind}-{self.name}", daemon=True
+        )
+        handle._thread = thread
+        self._op = handle
+        thread.start()
+        return handle
+
     def _run_worker(self, handle: Handle, fn: Callable[..., Any], *args: Any) -> None:
         try:
             self._backend.thread_setup()
