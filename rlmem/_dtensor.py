@@ -8,8 +8,6 @@ reading the old memory, so instead every tensor object over the shard's storage 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -94,7 +92,3 @@ def storage_groups(tensors: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> li
             if all(x is not y for y in lst):
                 lst.append(x)
     return list(groups.values())
-
-
-def sharded_like(grad: Any) -> bool:
-    return is_dtensor(grad)

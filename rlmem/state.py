@@ -33,17 +33,13 @@ import torch
 from torch import nn
 
 from . import _dtensor as _dt
-from .region import Handle, Region
+from .region import Handle, Region, _round_up
 
 __all__ = ["CATEGORIES", "POLICIES", "TrainState"]
 
 CATEGORIES = ("params", "buffers", "grads", "optimizer")  # also the reload order
 POLICIES = ("keep", "offload", "discard")
 _ALIGN = 256
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -158,7 +154,9 @@ class TrainState:
         if optimizer is not None:
             self.adopt_optimizer_states()
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
-            self._hooks.append(optimizer.register_state_dict_pre_hook(lambda *_: self._settle_optimizer()))
+            self._hooks.append(
+                optimizer.register_state_dict_pre_hook(lambda *_: self._drain(("optimizer",), host=True))
+            )
             self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.adopt_optimizer_states()))
         for m in model.modules():
             if m._parameters or (buffers and m._buffers):
@@ -414,18 +412,14 @@ class TrainState:
                     f"TrainState {self.name!r}: optimizer.step() was called while {cat} are offloaded; "
                     "call reload() first"
                 )
-        self._wait_pending(("grads", "optimizer"))
+        self._drain(("grads", "optimizer"), host=False)
 
-    def _settle_optimizer(self) -> None:
-        # A checkpoint must read the states themselves, not memory a reload is still filling.
-        for h in self._pending["optimizer"]:
-            h.synchronize()
-        self._pending["optimizer"] = []
-
-    def _wait_pending(self, categories: Iterable[str]) -> None:
+    def _drain(self, categories: Iterable[str], *, host: bool) -> None:
+        """Finish the operations in flight of ``categories``: ordered on the current stream, or with the
+        host blocked (``host=True``; a checkpoint must read the states, not memory a reload is filling)."""
         for cat in categories:
             for h in self._pending[cat]:
-                h.wait()
+                h.synchronize() if host else h.wait()
             self._pending[cat] = []
 
     # -- offload / reload ----------------------------------------------------------------------------
@@ -472,7 +466,7 @@ class TrainState:
         if not isinstance(blocking, bool):
             raise ValueError(f"blocking must be True or False, got {blocking!r}")
         self._check_open()
-        self._wait_pending(CATEGORIES)
+        self._drain(CATEGORIES, host=False)
         self.adopt_optimizer_states()
         t0 = time.perf_counter()
         nbytes = 0
@@ -528,7 +522,7 @@ class TrainState:
         if not isinstance(blocking, bool):
             raise ValueError(f"blocking must be True or False, got {blocking!r}")
         self._check_open()
-        self._wait_pending(CATEGORIES)
+        self._drain(CATEGORIES, host=False)
         t0 = time.perf_counter()
         nbytes = 0
         for cat in CATEGORIES:
@@ -542,7 +536,7 @@ class TrainState:
                         self._pending[cat].append(h)
             self._policy[cat] = "keep"
         if not blocking:
-            self._wait_pending(("params", "buffers", "grads"))  # stream-ordered, no host wait
+            self._drain(("params", "buffers", "grads"), host=False)  # stream-ordered, no host wait
         self._last.update(reload_s=time.perf_counter() - t0 if blocking else None, reload_bytes=nbytes)
 
     def reserve_backups(
@@ -556,10 +550,7 @@ class TrainState:
 
     def synchronize(self) -> None:
         """Block until every offload or reload in flight has completed."""
-        for cat in CATEGORIES:
-            for h in self._pending[cat]:
-                h.synchronize()
-            self._pending[cat] = []
+        self._drain(CATEGORIES, host=True)
 
     # -- stats and teardown --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
