@@ -6,6 +6,7 @@ Public API:
     OffloadConfig, PhaseManager: rollout/train switching with one flag; engines with sleep()/wake().
     Handle, RegionStats: what ``Region.pause`` / ``Region.resume`` / ``Region.stats`` return.
     OutOfMemoryError, HostOutOfMemoryError, RegionClosedError, CudaError: errors.
+    MemoryTimeline, MemoryLeakWarning: memory over time by phase and category, with leak detection.
     host_memory_held: bytes of host backup memory rlmem holds.
 """
 
@@ -14,6 +15,7 @@ from .errors import CudaError, HostOutOfMemoryError, OutOfMemoryError, RegionClo
 from .phases import Engine, OffloadConfig, PhaseManager
 from .region import Handle, Region, RegionStats
 from .state import TrainState
+from .timeline import MemoryLeakWarning, MemoryTimeline
 
 __version__ = "0.1.0"
 
@@ -22,6 +24,8 @@ __all__ = [
     "Engine",
     "Handle",
     "HostOutOfMemoryError",
+    "MemoryLeakWarning",
+    "MemoryTimeline",
     "OffloadConfig",
     "OutOfMemoryError",
     "PhaseManager",

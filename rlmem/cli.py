@@ -7,7 +7,7 @@ import sys
 
 from . import __version__
 
-_BENCHES = ("region", "phase_switch")
+_BENCHES = ("region", "phase_switch", "grpo_colocated")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,10 +18,25 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     b = sub.add_parser("bench", help="run a benchmark (rlmem bench NAME --help for its options)")
     b.add_argument("name", choices=_BENCHES, help="which benchmark")
+    sub.add_parser("train", help="co-located GRPO (rlmem train --help for its options)", add_help=False)
+    r = sub.add_parser("report", help="re-print a run's memory table and re-draw its plot")
+    r.add_argument("run_dir", help="the out_dir of an rlmem train run")
+    r.add_argument("--no-plot", action="store_true", help="only print")
     if not argv:
         p.print_help()
         return 2
+    if argv[0] == "train":  # its own parser takes every remaining argument
+        from .recipes import grpo
+
+        return grpo.main(argv[1:])
     args, rest = p.parse_known_args(argv)
+    if args.command == "report" and not rest:
+        from .recipes import grpo
+
+        try:
+            return grpo.report(args.run_dir, plot=not args.no_plot)
+        except ValueError as e:
+            p.error(str(e))
     if args.command == "bench":
         import importlib
 

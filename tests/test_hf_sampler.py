@@ -67,9 +67,53 @@ def test_cache_lives_in_the_region_and_sleeps(device):
 
 def test_sampling_is_reproducible_with_a_seed(device):
     s = HFSampler(tiny(device), max_len=24, batch_size=3, pad_token_id=0, eos_token_id=2)
-    a = s.generate(PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.9, generator_seed=3)
-    b = s.generate(PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.9, generator_seed=3)
-    assert a == b
+    a = s.generate(PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+    torch.rand(5)  # the global RNG does not matter
+    b = s.generate(PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+    c = s.generate(PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=4)
+    assert a == b != c
+
+
+def test_tiny_top_p_is_greedy_and_temperature_follows_the_softmax(device):
+    model = tiny(device)
+    s = HFSampler(model, max_len=24, batch_size=5, pad_token_id=0, eos_token_id=2)
+    greedy = s.generate(PROMPTS, max_new_tokens=6, temperature=0)
+    assert s.generate(PROMPTS, max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=1) == greedy
+    # The first sampled token's frequencies over many draws follow softmax(logits / T).
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt], device=device)).logits[0, -1].float().cpu()
+    draws = s.generate([prompt] * 2000, max_new_tokens=1, temperature=2.0, seed=0)
+    freq = torch.bincount(torch.tensor([d[0] for d in draws]), minlength=logits.numel()).double() / 2000
+    assert (freq - torch.softmax(logits.double() / 2.0, -1)).abs().max() < 0.04
+
+
+def test_bad_sampling_arguments():
+    s = HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
+    for kwargs, name in [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 2, "temperature": -1.0}, "temperature"),
+        ({"max_new_tokens": 2, "top_p": 0.0}, "top_p"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            s.generate(PROMPTS, **kwargs)
+    with pytest.raises(ValueError, match="at least one token"):
+        s.generate([[]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="sync_every"):
+        HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, sync_every=0)
+
+
+@pytest.mark.cuda
+def test_bf16_autocast_cache_is_half_the_bytes():
+    model = tiny("cuda")
+    s32 = HFSampler(model, max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
+    s16 = HFSampler(
+        model, max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, compute_dtype=torch.bfloat16
+    )
+    assert s16.cache.layers[0].keys.dtype == torch.bfloat16
+    assert s16.kv_bytes < 0.6 * s32.kv_bytes
+    out = s16.generate(PROMPTS, max_new_tokens=6, temperature=0)
+    assert len(out) == len(PROMPTS) and all(1 <= len(o) <= 6 for o in out)
 
 
 def test_size_from_a_budget_and_bad_sizes():

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..presets import PRESETS, build, vocab_size
 from ._common import (
     check_targets,
     environment,
@@ -35,7 +36,6 @@ from ._common import (
     targets_text,
     write_json,
 )
-from ._models import PRESETS, build, vocab_size
 
 NAME = "phase_switch"
 _GiB = float(1 << 30)

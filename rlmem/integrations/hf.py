@@ -1,13 +1,15 @@
 """A rollout engine for Hugging Face causal LMs whose KV cache lives in a Region.
 
-``HFSampler`` samples with ``model.generate`` (temperature, top-p, EOS, max new tokens) into a
-``transformers.StaticCache``. The cache's per-layer key and value tensors are re-pointed into one Region, so
-``sleep()`` gives the whole cache back to the device (a discarded pause: milliseconds) and ``wake()`` takes it
-again at the same addresses. Its size comes from a byte budget, like vLLM's ``gpu_memory_utilization``.
+``HFSampler`` is rlmem's batched sampler (temperature, top-p, EOS, max new tokens; left-padded prompts, one
+prefill then one token per step) over a ``transformers.StaticCache``. The cache's per-layer key and value
+tensors are re-pointed into one Region, so ``sleep()`` gives the whole cache back to the device (a discarded
+pause: milliseconds) and ``wake()`` takes it again at the same addresses. Its size comes from a byte budget,
+like vLLM's ``gpu_memory_utilization``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +45,9 @@ class HFSampler:
         batch_size: sequences per generate call; or None to size it from ``kv_budget_bytes``.
         kv_budget_bytes: bytes the cache may take (used when ``batch_size`` is None).
         pad_token_id, eos_token_id: the tokenizer's ids.
+        compute_dtype: run the model under autocast to this dtype (the cache takes it too); None: the
+            parameters' dtype.
+        sync_every: tokens between the host checks that stop a batch once every row has ended.
 
     Raises:
         ValueError: a size is not positive, or the budget holds less than one sequence.
@@ -57,14 +62,19 @@ class HFSampler:
         kv_budget_bytes: int | None = None,
         pad_token_id: int,
         eos_token_id: int,
+        compute_dtype: torch.dtype | None = None,
+        sync_every: int = 8,
         name: str = "kv-cache",
     ) -> None:
         from transformers import StaticCache
 
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be a positive int, got {sync_every!r}")
         param = next(model.parameters())
-        dtype, device = param.dtype, param.device
+        device = param.device
+        dtype = compute_dtype or param.dtype
         per_seq = kv_bytes_per_token(model.config, dtype) * max_len
         if batch_size is None:
             if not isinstance(kv_budget_bytes, int) or kv_budget_bytes < per_seq:
@@ -80,12 +90,15 @@ class HFSampler:
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+        self.compute_dtype = compute_dtype
+        self.sync_every = sync_every
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         # One forward step allocates every layer's tensors at this batch size (through the public path, which
         # holds across transformers releases); they are then moved into the Region.
         with torch.no_grad():
-            probe = torch.full((batch_size, 1), pad_token_id, dtype=torch.long, device=device)
-            model(input_ids=probe, past_key_values=self.cache, use_cache=True)
+            self._forward(
+                torch.full((batch_size, 1), pad_token_id, dtype=torch.long, device=device), None, None
+            )
         tensors = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self.region = Region(
             sum(t.numel() * t.element_size() for t in tensors) + 256 * len(tensors), device, name=name
@@ -108,6 +121,31 @@ class HFSampler:
         """Take the KV cache's memory again, at the same addresses."""
         self.region.resume()
 
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Last-position logits. Under autocast the embeddings enter in the compute dtype: the rotary tables
+        follow their dtype, so keys and values reach the cache in one dtype (fp32 keys beside bf16 values
+        would not fit one static cache)."""
+        with self._autocast(ids.device):
+            kw: dict[str, Any] = {"input_ids": ids}
+            if self.compute_dtype is not None:
+                kw = {"inputs_embeds": self.model.get_input_embeddings()(ids).to(self.compute_dtype)}
+            out = self.model(
+                **kw,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1]
+
+    def _autocast(self, device: torch.device) -> Any:
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.compute_dtype)
+
     @torch.no_grad()
     def generate(
         self,
@@ -116,51 +154,113 @@ class HFSampler:
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        generator_seed: int | None = None,
+        seed: int | None = None,
     ) -> list[list[int]]:
         """Completions (token ids, up to and including EOS) for each prompt, in batches of ``batch_size``.
 
+        Args:
+            prompts: token ids per prompt.
+            max_new_tokens: tokens sampled at most per completion.
+            temperature: 0 samples greedily; otherwise logits are divided by it.
+            top_p: nucleus sampling: only the most likely tokens whose probabilities sum to ``top_p``.
+            seed: seeds this call's own generator (the global RNG is left alone); None draws a seed from it.
+
         Raises:
             RuntimeError: the engine is asleep.
-            ValueError: a prompt plus ``max_new_tokens`` exceeds ``max_len``.
+            ValueError: an argument is out of range, or a prompt plus ``max_new_tokens`` exceeds ``max_len``.
         """
         if self.region.paused:
             raise RuntimeError("HFSampler is asleep: call wake() before generate()")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
         longest = max((len(p) for p in prompts), default=0)
         if longest + max_new_tokens > self.max_len:
             raise ValueError(
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
                 f"max_len={self.max_len}"
             )
-        if generator_seed is not None:
-            torch.manual_seed(generator_seed)
         device = self.region.device
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(torch.randint(2**62, ()).item()) if seed is None else seed)
         out: list[list[int]] = []
         for start in range(0, len(prompts), self.batch_size):
-            chunk = list(prompts[start : start + self.batch_size])
-            n = len(chunk)
-            chunk += [chunk[-1]] * (self.batch_size - n)  # the static cache has a fixed batch
-            width = max(len(p) for p in chunk)
-            ids = torch.full((self.batch_size, width), self.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, p in enumerate(chunk):  # left padding: every row ends where generation starts
-                ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-                mask[i, width - len(p) :] = 1
-            self.cache.reset()
-            seqs = self.model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                past_key_values=self.cache,
-                max_new_tokens=max_new_tokens,
-                do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                top_p=top_p if temperature > 0 else None,
-                eos_token_id=self.eos_token_id,
-                pad_token_id=self.pad_token_id,
+            rows = self._generate_batch(
+                prompts[start : start + self.batch_size], max_new_tokens, temperature, top_p, gen
             )
-            for row in seqs[:n, width:].tolist():
-                if self.eos_token_id in row:
-                    row = row[: row.index(self.eos_token_id) + 1]
-                out.append(row)
-                self.tokens_generated += len(row)
+            out.extend(rows)
         return out
+
+    def _generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator,
+    ) -> list[list[int]]:
+        n, device = len(prompts), self.region.device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width + max_new_tokens), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row ends where sampling starts
+            ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p) : width] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+        full = [(layer.keys, layer.values) for layer in self.cache.layers]
+        if n < self.batch_size:  # a last, partial batch uses the first n rows of the cache: no wasted rows
+            for layer, (k, v) in zip(self.cache.layers, full, strict=True):
+                layer.keys, layer.values = k[:n], v[:n]
+        try:
+            self.cache.reset()
+            logits = self._forward(ids, mask[:, :width], pos)
+            done = torch.zeros(n, dtype=torch.bool, device=device)
+            steps = []
+            pos = pos[:, -1:]
+            for t in range(max_new_tokens):
+                nxt = _sample(logits, temperature, top_p, gen)
+                nxt = torch.where(done, self.pad_token_id, nxt)
+                steps.append(nxt)
+                done |= nxt == self.eos_token_id
+                # One host sync every few tokens to stop early, instead of one per token.
+                if t + 1 == max_new_tokens or ((t + 1) % self.sync_every == 0 and bool(done.all())):
+                    break
+                mask[:, width + t] = 1
+                pos = pos + 1
+                logits = self._forward(nxt[:, None], mask[:, : width + t + 1], pos)
+        finally:
+            for layer, (k, v) in zip(self.cache.layers, full, strict=True):
+                layer.keys, layer.values = k, v
+        rows = []
+        for row in torch.stack(steps, 1).tolist():
+            if self.eos_token_id in row:
+                row = row[: row.index(self.eos_token_id) + 1]
+            rows.append(row)
+            self.tokens_generated += len(row)
+        return rows
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    """One token per row: greedy at temperature 0, else from the tempered, top-p truncated distribution.
+
+    Rows go through in slices, so the fp32 probabilities of a large batch over a large vocabulary never
+    exist all at once."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    rows = max(1, (1 << 28) // (4 * logits.shape[-1]))  # ~256 MiB of fp32 per slice
+    out = []
+    for part in logits.split(rows):
+        probs = torch.softmax(part.float() / temperature, -1)
+        if top_p < 1:
+            sorted_p, order = probs.sort(-1, descending=True)
+            # Keep a token while the mass before it is below top_p (the most likely one is always kept).
+            drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0))
+        out.append(torch.multinomial(probs, 1, generator=gen)[:, 0])
+    return torch.cat(out)

@@ -1,9 +1,9 @@
-"""Model presets shared by the benchmarks: the 2.47B Qwen2-shaped model of DESIGN.md and small stand-ins.
+"""Named model presets (random init, no downloads): the 2.47B Qwen2-shaped model of DESIGN.md and small ones.
 
 ``qwen2-2.5b``: hidden 2048, 28 layers, MLP 11008, 16 heads / 2 KV heads, vocabulary 151936, tied
 embeddings: 2.47B parameters; in bf16 with AdamW that is 4.6 GiB each of parameters and gradients and
 9.2 GiB of optimizer state (18.4 GiB). ``qwen2-tiny`` is the same shape family at toy size; ``mlp-tiny``
-needs no ``transformers`` (CPU smoke runs).
+needs no ``transformers`` (CPU smoke runs). ``qwen2-1.5b`` is Qwen2-1.5B's shape.
 """
 
 from __future__ import annotations
@@ -13,12 +13,24 @@ from typing import Any
 import torch
 from torch import nn
 
+__all__ = ["PRESETS", "QWEN2", "build", "vocab_size"]
+
 QWEN2 = {
     "qwen2-2.5b": dict(
         hidden_size=2048,
         num_hidden_layers=28,
         intermediate_size=11008,
         num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        intermediate_size=8960,
+        num_attention_heads=12,
         num_key_value_heads=2,
         vocab_size=151936,
         tie_word_embeddings=True,

@@ -1,0 +1,237 @@
+"""Co-located GRPO with and without rlmem offload: what KV cache fits, and what it buys in rollout tokens/s.
+
+Every part runs the GRPO recipe (``rlmem.recipes.grpo``) in its own process on the same workload: the
+2.47B Qwen2-shaped model of DESIGN.md (fp32 weights, bf16 autocast, AdamW: 36.8 GiB of train state),
+``prompts x group`` sequences of ``max_new_tokens`` per step. Parts differ only in the KV-cache budget and the
+offload switch:
+
+* ``big-nooffload``: the big budget without offload: expected to run out of memory (the optimizer states
+  and the cache cannot be resident together);
+* ``big-offload``: the same budget with offload: the cache holds the whole rollout at once;
+* ``fit-nooffload``: the largest budget here that fits beside the resident train state (half the big one):
+  the rollout runs in two batches.
+
+Summary: ``oom_without_offload``, ``rollout_tokens_per_s_offload`` (big-offload),
+``rollout_tokens_per_s_no_offload`` (fit-nooffload), ``switch_share_of_step`` (big-offload's phase
+switches over its step time), and ``step_s_*``, ``peak_*`` per phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._common import (
+    check_targets,
+    environment,
+    format_table,
+    machine_name,
+    summary_lines,
+    targets_text,
+    write_json,
+)
+
+NAME = "grpo_colocated"
+_GiB = 1 << 30
+
+
+def _gib(v: float | None) -> float | None:
+    return None if v is None else v / _GiB
+
+
+PARTS = ("big-nooffload", "big-offload", "fit-nooffload")
+TARGETS = {
+    "switch_share_of_step": ("<", 0.05),
+    "tokens_per_s_gain": (">", 1.0),
+}
+
+
+def _config(args: argparse.Namespace, part: str, out_dir: str) -> Any:
+    from ..recipes.grpo import GRPOConfig
+
+    big = args.kv_big_gib
+    budget = big if part.startswith("big") else big / 2
+    return GRPOConfig(
+        model=args.model,
+        device=args.device,
+        steps=args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        max_new_tokens=args.max_new_tokens,
+        micro_batch_size=args.micro_batch,
+        updates_per_step=1,
+        precision="bf16-mixed",
+        offload=part.endswith("-offload"),
+        kv_budget=int(budget * _GiB),
+        out_dir=out_dir,
+        progress=False,
+        plot=False,
+    )
+
+
+def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
+    from ..recipes.grpo import run
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = _config(args, part, d)
+        try:
+            s = run(cfg, echo=lambda *a, **k: print(*a, file=sys.stderr, **k))
+        except torch.OutOfMemoryError as e:
+            return {
+                "oom": True,
+                "error": str(e).splitlines()[0][:400],
+                "allocated_at_oom": torch.cuda.memory_allocated(),
+            }
+        rows = [json.loads(line) for line in (Path(d) / "log.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    return {
+        "oom": False,
+        "kv_budget": cfg.kv_budget,
+        "steps": rows,
+        "last": last,
+        "phases": s["phases"],
+        "precision": s["precision"],
+    }
+
+
+def _spawn(args: argparse.Namespace, part: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "rlmem.benchmarks.grpo_colocated", "--part", part, *args.forward]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    sys.stderr.write(proc.stderr[-4000:])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+    return json.loads(lines[-1])
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    if "oom" in res.get("big-nooffload", {}):
+        s["oom_without_offload"] = bool(res["big-nooffload"].get("oom"))
+    big, fit = res.get("big-offload", {}), res.get("fit-nooffload", {})
+    if big.get("last"):
+        b = big["last"]
+        s["rollout_tokens_per_s_offload"] = b["tokens_per_s"]
+        s["switch_share_of_step"] = b["switch_s"] / b["step_s"]
+        s["step_s_offload"] = b["step_s"]
+        s["kv_gib_offload"] = b["kv_bytes"] / _GiB
+        s["peak_rollout_gib_offload"] = _gib(b["peak_rollout"])
+        s["peak_train_gib_offload"] = _gib(b["peak_train"])
+    if fit.get("last"):
+        f = fit["last"]
+        s["rollout_tokens_per_s_no_offload"] = f["tokens_per_s"]
+        s["step_s_no_offload"] = f["step_s"]
+        s["kv_gib_no_offload"] = f["kv_bytes"] / _GiB
+        s["peak_rollout_gib_no_offload"] = _gib(f["peak_rollout"])
+        s["peak_train_gib_no_offload"] = _gib(f["peak_train"])
+    if "rollout_tokens_per_s_offload" in s and "rollout_tokens_per_s_no_offload" in s:
+        s["tokens_per_s_gain"] = s["rollout_tokens_per_s_offload"] / s["rollout_tokens_per_s_no_offload"]
+    return s
+
+
+def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rlmem bench grpo_colocated", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2-2.5b", help="'tiny', a preset of rlmem.presets, or a directory")
+    p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--kv-big-gib", type=float, default=52.0, help="the big KV budget; the fitting one is half"
+    )
+    p.add_argument("--prompts", type=int, default=60, help="prompts per step")
+    p.add_argument("--group", type=int, default=16, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)}")
+    p.add_argument("--merge", action="store_true", help="keep the other parts of an existing JSON file")
+    p.add_argument("--part", default=None, choices=PARTS, help=argparse.SUPPRESS)
+    p.add_argument("--machine", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.part:
+        print(json.dumps(run_part(args, args.part)), flush=True)
+        return 0
+    parts = [x for x in args.parts.split(",") if x]
+    if not parts or any(x not in PARTS for x in parts):
+        p.error(f"--parts must be a comma-separated subset of {', '.join(PARTS)}")
+    args.forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--merge"]
+    device = torch.device(args.device)
+    machine = args.machine or machine_name(device)
+    out = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
+    res: dict[str, Any] = {}
+    if args.merge and out and Path(out).is_file():
+        res = json.loads(Path(out).read_text()).get("results", {})
+    for part in parts:
+        res[part] = _spawn(args, part)
+    failed = {k: v["error"] for k, v in res.items() if "error" in v}
+    for k, v in failed.items():
+        print(f"{k} failed:\n{v}", file=sys.stderr)
+    summary = summarize(res)
+    met = check_targets(summary, TARGETS)
+    rows = []
+    for part in PARTS:
+        r = res.get(part)
+        if not r or "error" in r:
+            continue
+        if r["oom"]:
+            rows.append({"part": part, "status": "out of memory"})
+            continue
+        last = r["last"]
+        rows.append(
+            {
+                "part": part,
+                "status": "ran",
+                "kv": last["kv_bytes"] / _GiB,
+                "batch": last["kv_batch"],
+                "tps": last["tokens_per_s"],
+                "roll": last["rollout_s"],
+                "train": last["train_s"],
+                "switch": last["switch_s"],
+                "step": last["step_s"],
+                "pr": _gib(last["peak_rollout"]),
+                "pt": _gib(last["peak_train"]),
+            }
+        )
+    print(
+        format_table(
+            rows,
+            [
+                ("part", "part", ""),
+                ("status", "status", ""),
+                ("kv", "KV GiB", ".1f"),
+                ("batch", "KV seqs", "d"),
+                ("tps", "rollout tok/s", ",.0f"),
+                ("roll", "rollout s", ".1f"),
+                ("train", "train s", ".1f"),
+                ("switch", "switch s", ".3f"),
+                ("step", "step s", ".1f"),
+                ("pr", "peak rollout GiB", ".1f"),
+                ("pt", "peak train GiB", ".1f"),
+            ],
+        )
+    )
+    print(summary_lines(summary, met))
+    payload = {
+        "name": NAME,
+        "machine": machine,
+        **environment(device),
+        "config": {k: v for k, v in vars(args).items() if k not in ("forward", "part", "json", "merge")},
+        "results": res,
+        "summary": summary,
+        "targets": targets_text(TARGETS),
+        "targets_met": met,
+    }
+    if out:
+        print(f"wrote {write_json(out, payload)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

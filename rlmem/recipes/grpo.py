@@ -1,0 +1,794 @@
+"""Co-located GRPO on one or several GPUs (or the CPU): the loop rlmem exists for, as one readable script.
+
+Each step: **rollout** (the policy samples G completions per prompt into a KV cache that lives in a Region)
+then **train** (group-normalised advantages, clipped policy-gradient loss over response tokens, optional KL
+to a reference model, micro-batches, gradient clipping, AdamW). A :class:`~rlmem.PhaseManager` switches
+the GPU between the two: during rollout the optimizer states go to pinned host memory and the gradients are
+dropped, during training the KV cache is released. The reference model, when used, stays offloaded except
+while it scores the batch.
+
+Run ``rlmem train`` (defaults: an embedded tiny Qwen2-shaped model learning to sort digits) or
+``rlmem train examples/grpo_tiny.yaml key=value ...``; with ``torchrun --nproc-per-node N -m rlmem train``
+the policy is sharded with FSDP2 and each rank samples its share of the prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import presets
+from ..integrations.hf import HFSampler, kv_bytes_per_token
+from ..phases import OffloadConfig, PhaseManager
+from ..state import TrainState
+from ..timeline import MemoryTimeline
+from . import _config
+from .task import CharTokenizer, SortDigitsTask
+
+__all__ = ["GRPOConfig", "main", "report", "run"]
+
+# The embedded policy: Qwen2's architecture at a size that learns the toy task on two CPU cores in minutes.
+TINY = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=384,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """Everything a run takes; the YAML keys and ``key=value`` overrides of ``rlmem train``.
+
+    Args:
+        model: ``"tiny"`` (embedded), a preset of :mod:`rlmem.presets` (random init), or a directory saved
+            with ``save_pretrained``.
+        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+        seed: seeds the model init, the prompts and the sampler.
+        steps: rollout + train iterations.
+        prompts_per_step: prompts per step over all ranks; ``group_size`` completions each.
+        min_digits, max_digits: the task's prompt lengths.
+        max_new_tokens: completion limit; None: the task's answer length plus two.
+        temperature, top_p: sampling.
+        lr, weight_decay, max_grad_norm: AdamW and gradient clipping.
+        clip_eps: PPO ratio clip.
+        kl_coef: weight of the KL penalty to the initial policy; 0 builds no reference model.
+        updates_per_step: optimizer steps per rollout batch (the batch is split into that many mini-batches).
+        micro_batch_size: sequences per forward/backward.
+        precision: ``"fp32"``, ``"bf16-mixed"`` (fp32 weights, bf16 autocast), ``"bf16"`` (bf16 weights) or
+            ``"auto"`` (bf16-mixed on CUDA, fp32 on CPU).
+        offload: switch memory between phases with rlmem; None: on for CUDA, off on CPU.
+        kv_budget: KV cache size: bytes (``"16GiB"``), a fraction of the device's total memory (0 < x <= 1),
+            or None for exactly one rollout batch. Never larger than the rollout needs.
+        gradient_checkpointing: Hugging Face's activation checkpointing in the train phase.
+        out_dir: where the log, timeline, table and plot go.
+        progress: draw a progress bar on a terminal.
+        plot: write ``memory.png`` at the end (needs matplotlib).
+
+    Raises:
+        ValueError: a field is out of range; the message names it.
+    """
+
+    model: str = "tiny"
+    device: str = "auto"
+    seed: int = 0
+    steps: int = 200
+    prompts_per_step: int = 32
+    group_size: int = 8
+    min_digits: int = 2
+    max_digits: int = 5
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    updates_per_step: int = 2
+    micro_batch_size: int = 64
+    precision: str = "auto"
+    offload: bool | None = None
+    kv_budget: int | float | str | None = None
+    gradient_checkpointing: bool = False
+    out_dir: str = "runs/grpo"
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        def need(name: str, ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need("model", isinstance(self.model, str) and bool(self.model), "'tiny', a preset or a directory")
+        need("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
+        for f in ("seed",):
+            need(f, is_int(getattr(self, f)) and getattr(self, f) >= 0, "an int >= 0")
+        for f in ("steps", "prompts_per_step", "group_size", "updates_per_step", "micro_batch_size"):
+            need(f, is_int(getattr(self, f)) and getattr(self, f) >= 1, "an int >= 1")
+        need("group_size", self.group_size >= 2, "an int >= 2 (advantages compare samples of a group)")
+        mnt = self.max_new_tokens
+        need("max_new_tokens", mnt is None or (is_int(mnt) and mnt >= 1), "None or an int >= 1")
+        need("temperature", is_num(self.temperature) and self.temperature > 0, "a number > 0")
+        need("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
+        need("lr", is_num(self.lr) and self.lr > 0, "a number > 0")
+        for f in ("weight_decay", "kl_coef"):
+            need(f, is_num(getattr(self, f)) and getattr(self, f) >= 0, "a number >= 0")
+        need("max_grad_norm", is_num(self.max_grad_norm) and self.max_grad_norm > 0, "a number > 0")
+        need("clip_eps", is_num(self.clip_eps) and 0 < self.clip_eps < 1, "in (0, 1)")
+        need("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
+        need("offload", self.offload in (None, True, False), "true, false or null (auto)")
+        for f in ("gradient_checkpointing", "progress", "plot"):
+            need(f, isinstance(getattr(self, f), bool), "true or false")
+        need("out_dir", isinstance(self.out_dir, str) and bool(self.out_dir), "a path")
+        SortDigitsTask(min_digits=self.min_digits, max_digits=self.max_digits)  # validates both
+        if self.kv_budget is not None:
+            v = self.kv_budget
+            if isinstance(v, float) or (isinstance(v, str) and _is_float(v)):
+                need("kv_budget", 0 < float(v) <= 1, "bytes like '16GiB' or a fraction in (0, 1]")
+            else:
+                _config.parse_bytes("kv_budget", v)
+
+
+def _is_float(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return "." in s or "e" in s.lower()
+
+
+# -- set-up -------------------------------------------------------------------------------------------
+
+
+def _setup_device(cfg: GRPOConfig) -> tuple[torch.device, int, int]:
+    """(device, rank, world size); starts torch.distributed when launched by torchrun."""
+    want = cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return torch.device(want, 0) if want == "cuda" else torch.device("cpu"), 0, 1
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if want == "cuda" else torch.device("cpu")
+    if want == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        kw = {"device_id": device} if want == "cuda" else {}
+        dist.init_process_group("nccl" if want == "cuda" else "gloo", **kw)
+    if cfg.prompts_per_step % world:
+        raise ValueError(f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the {world} ranks")
+    return device, dist.get_rank(), world
+
+
+def build_policy(cfg: GRPOConfig, device: torch.device, dtype: torch.dtype, vocab: int) -> nn.Module:
+    """The policy: the embedded tiny config, a named preset, or a local checkpoint; random init seeded."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "tiny":
+        with torch.device(device):
+            model = Qwen2ForCausalLM(Qwen2Config(**TINY, vocab_size=vocab))
+        return model.to(dtype)
+    if cfg.model in presets.QWEN2:
+        return presets.build(cfg.model, device, dtype, seed=cfg.seed)
+    path = Path(cfg.model)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model must be 'tiny', one of the presets {', '.join(presets.QWEN2)}, or a directory with a "
+            f"config.json saved by save_pretrained; got {cfg.model!r}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if model.config.vocab_size < vocab:
+        raise ValueError(f"model {cfg.model!r} has {model.config.vocab_size} tokens; the task needs {vocab}")
+    return model
+
+
+def _shard(model: nn.Module) -> None:
+    """FSDP2: each decoder layer, then the root (so the embedding and head are sharded too)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def _materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create AdamW's states now (a zero-lr step on zero gradients, then the step counters reset), so that
+    the memory the train phase holds is in place before the rollout sizes its KV cache. The next real step
+    is then exactly a first step."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None
+        step = opt.state[p].get("step")
+        if torch.is_tensor(step):
+            step.zero_()
+        elif step is not None:
+            opt.state[p]["step"] = 0
+
+
+def _local_bytes(tensors: Any) -> int:
+    n = 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        n += t.numel() * t.element_size()
+    return n
+
+
+def _kv_batch(cfg: GRPOConfig, model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype) -> int:
+    """Sequences the KV cache holds: what ``kv_budget`` affords, never more than the rollout needs."""
+    per_seq = kv_bytes_per_token(model.config, dtype) * max_len
+    if cfg.kv_budget is None:
+        return n_seqs
+    v = cfg.kv_budget
+    if isinstance(v, float) or (isinstance(v, str) and _is_float(v)):
+        dev = next(model.parameters()).device
+        total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_total()
+        budget = int(float(v) * total)
+    else:
+        budget = _config.parse_bytes("kv_budget", v)
+    if budget < per_seq:
+        raise ValueError(
+            f"kv_budget ({budget} bytes) holds less than one sequence of {max_len} tokens ({per_seq})"
+        )
+    return min(n_seqs, budget // per_seq)
+
+
+def _host_total() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# -- the GRPO pieces ----------------------------------------------------------------------------------
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(r - mean of its group) / (std of its group + 1e-4): samples of a prompt are compared to each other."""
+    g = rewards.view(-1, group_size)
+    return ((g - g.mean(1, keepdim=True)) / (g.std(1, unbiased=False, keepdim=True) + 1e-4)).view(-1)
+
+
+def make_batch(seqs: list[list[int]], prompt_lens: list[int], pad: int) -> dict[str, torch.Tensor]:
+    """Right-padded ids, attention mask, and a mask over the targets that are completion tokens."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    resp = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
+    for i, (s, n) in enumerate(zip(seqs, prompt_lens, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        resp[i, n - 1 : len(s) - 1] = 1.0  # target t+1 is a completion token
+    return {"ids": ids, "attn": attn, "resp": resp}
+
+
+def token_logprobs(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor, autocast: Any) -> torch.Tensor:
+    """log p(token t+1 | tokens <= t) for every position, in fp32."""
+    with autocast():
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
+    logits = logits.float()
+    return logits.gather(-1, ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, -1)
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float,
+    kl_coef: float,
+    denom: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped policy-gradient loss plus ``kl_coef`` x KL (k3 estimator), summed over response tokens and
+    divided by ``denom`` (the mini-batch's response tokens, so micro-batching does not change it).
+    Returns (loss, summed KL)."""
+    ratio = torch.exp(logp - old)
+    a = adv[:, None]
+    pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    kl = torch.zeros_like(logp)
+    if ref is not None:
+        d = ref - logp
+        kl = torch.exp(d) - d - 1
+    per_tok = pg + kl_coef * kl
+    return (per_tok * mask).sum() / denom, (kl.detach() * mask).sum()
+
+
+# -- the loop -----------------------------------------------------------------------------------------
+
+
+def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
+    """Train with GRPO per ``cfg``; returns the summary that is also written to ``out_dir``.
+
+    Raises:
+        ValueError: bad configuration (model, device, budget).
+        rlmem.OutOfMemoryError / torch.OutOfMemoryError: the KV cache or training does not fit.
+    """
+    device, rank, world = _setup_device(cfg)
+    lead = rank == 0
+    say = echo if lead else (lambda *a, **k: None)
+    on_cuda = device.type == "cuda"
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if on_cuda else "fp32")
+    param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    amp_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
+
+    def autocast() -> Any:
+        return torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+
+    offload = cfg.offload if cfg.offload is not None else on_cuda
+    out = Path(cfg.out_dir)
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        _config.dump(cfg, out / "config.yaml")
+
+    tok = CharTokenizer()
+    task = SortDigitsTask(min_digits=cfg.min_digits, max_digits=cfg.max_digits)
+    max_new = cfg.max_new_tokens or task.max_answer_tokens + 2
+    max_len = 2 + task.max_digits + max_new  # BOS, digits, '=', completion
+
+    # Policy, reference, optimizer.
+    model = build_policy(cfg, device, param_dtype, tok.vocab_size)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    if world > 1:
+        _shard(model)
+        if ref is not None:
+            _shard(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    _materialize_optimizer_state(opt)
+
+    # rlmem: one switch. During rollout the optimizer states go to pinned host memory and gradients are
+    # dropped; the rollout runs on the policy's own weights, so they stay.
+    pm = PhaseManager(
+        model,
+        opt,
+        OffloadConfig(offload_during_rollout=offload, params="keep", grads="discard", optimizer="offload"),
+    )
+    ref_state = None
+    if ref is not None and offload:
+        ref_state = TrainState(ref, None, name="reference")
+        ref_state.offload(params="offload", blocking=True)
+
+    sampler: HFSampler | None = None
+    tl = MemoryTimeline(device)
+    _track(tl, model, opt, pm, ref, ref_state, lambda: sampler)
+
+    prompts_rank = cfg.prompts_per_step // world
+    n_seqs = prompts_rank * cfg.group_size
+    say(
+        f"rlmem GRPO | model {cfg.model} ({sum(p.numel() for p in model.parameters()) * world / 1e6:.2f}M "
+        f"params{', FSDP2 x' + str(world) if world > 1 else ''}) | {device.type} | precision {precision} | "
+        f"offload {'on' if offload else 'off'} | {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
+        f"{cfg.group_size} samples"
+    )
+    log = (out / "log.jsonl").open("w") if lead else None
+    bar = _Bar(cfg.steps, enabled=cfg.progress and lead and sys.stderr.isatty())
+    history: list[dict[str, Any]] = []
+    rng = random.Random(cfg.seed)
+    try:
+        for step in range(cfg.steps):
+            t_step = time.perf_counter()
+            prompts = task.prompts(cfg.prompts_per_step, rng)[rank * prompts_rank : (rank + 1) * prompts_rank]
+            prompt_ids = [tok.encode(p, bos=True) for p in prompts]
+
+            # ---- rollout ------------------------------------------------------------------------
+            with tl.phase("rollout", step) as ph_roll, pm.rollout():
+                switch_s = (pm.stats()["switches"]["rollout_s"] or 0.0) if offload else 0.0
+                model.eval()
+                if sampler is None:  # sized once the train state has made room
+                    kv_dtype = amp_dtype or param_dtype
+                    batch = _kv_batch(cfg, model, n_seqs, max_len, kv_dtype)
+                    sampler = HFSampler(
+                        model,
+                        max_len=max_len,
+                        batch_size=batch,
+                        pad_token_id=tok.PAD,
+                        eos_token_id=tok.EOS,
+                        compute_dtype=amp_dtype,
+                    )
+                    pm.add_engine(sampler)
+                _set_reshard(model, False, world)
+                t0 = time.perf_counter()
+                group_prompts = [p for p in prompt_ids for _ in range(cfg.group_size)]
+                comps = sampler.generate(
+                    group_prompts,
+                    max_new_tokens=max_new,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    seed=cfg.seed * 1_000_003 + step * world + rank,
+                )
+                if on_cuda:
+                    torch.cuda.synchronize(device)
+                rollout_s = time.perf_counter() - t0
+                _set_reshard(model, True, world)
+                texts = [p for p in prompts for _ in range(cfg.group_size)]
+                rewards = torch.tensor([task.reward(p, c, tok) for p, c in zip(texts, comps, strict=True)])
+                tl.sample("rollout", step)
+            ph_roll["tokens"] = sum(len(c) for c in comps)
+
+            # ---- train --------------------------------------------------------------------------
+            with tl.phase("train", step):
+                t_train = time.perf_counter()
+                with pm.train():
+                    switch_s += (pm.stats()["switches"]["train_s"] or 0.0) if offload else 0.0
+                    model.train()
+                    adv = group_advantages(rewards, cfg.group_size)
+                    seqs = [p + c for p, c in zip(group_prompts, comps, strict=True)]
+                    b = make_batch(seqs, [len(p) for p in group_prompts], tok.PAD)
+                    old, refs = _score(model, ref, ref_state, b, cfg.micro_batch_size, device, autocast)
+                    tl.sample("train", step)
+                    loss_sum, kl_sum, gnorm = _update(
+                        cfg, model, opt, b, adv, old, refs, device, autocast, tl, step, world
+                    )
+                if on_cuda:
+                    torch.cuda.synchronize(device)
+                train_s = time.perf_counter() - t_train
+
+            # ---- log ----------------------------------------------------------------------------
+            ntok = b["resp"].sum().item()
+            stats = torch.tensor(
+                [rewards.sum().item(), len(comps), loss_sum, kl_sum, ntok, ph_roll["tokens"]],
+                dtype=torch.float64,
+            )
+            if world > 1:
+                stats = stats.to(device)
+                dist.all_reduce(stats)
+                stats = stats.cpu()
+            rec = {
+                "step": step,
+                "reward": stats[0].item() / stats[1].item(),
+                "loss": stats[2].item() / world,
+                "kl": stats[3].item() / max(stats[4].item(), 1),
+                "grad_norm": gnorm,
+                "tokens": int(stats[5].item()),
+                "tokens_per_s": stats[5].item() / world / max(rollout_s, 1e-9),
+                "rollout_s": rollout_s,
+                "train_s": train_s,
+                "switch_s": switch_s,
+                "step_s": time.perf_counter() - t_step,
+                "peak_rollout": tl.phases[-2]["peak"],
+                "peak_train": tl.phases[-1]["peak"],
+                "kv_batch": sampler.batch_size,
+                "kv_bytes": sampler.kv_bytes,
+            }
+            history.append(rec)
+            if log is not None:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            bar.clear()
+            say(_step_line(rec, cfg.steps))
+            bar.update(step + 1, rec["reward"])
+    finally:
+        bar.close()
+        if log is not None:
+            log.close()
+
+    summary = _summarize(cfg, history, tl, offload, precision, world, device)
+    if lead:
+        tl.save(out / "timeline.jsonl")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        say("")
+        say(tl.report())
+        if cfg.plot:
+            try:
+                say(f"timeline plot: {tl.plot(out / 'memory.png', title=_title(cfg, offload, device))}")
+            except RuntimeError as e:
+                say(f"(no plot: {e})")
+        say(
+            f"reward: first 5 steps {summary['reward_first5']:.3f} -> last 5 steps "
+            f"{summary['reward_last5']:.3f} | {summary['wall_s']:.1f} s | logs in {out}"
+        )
+    tl.check_leaks()
+    return summary
+
+
+def _score(
+    model: nn.Module,
+    ref: nn.Module | None,
+    ref_state: TrainState | None,
+    b: dict[str, torch.Tensor],
+    mbs: int,
+    device: torch.device,
+    autocast: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the sampled tokens under the policy before the update (the ratio's denominator) and
+    under the reference model, which is brought in for this and sent back right after."""
+    olds, refs = [], []
+    with torch.no_grad():
+        for i in range(0, b["ids"].shape[0], mbs):
+            ids, attn = b["ids"][i : i + mbs].to(device), b["attn"][i : i + mbs].to(device)
+            olds.append(token_logprobs(model, ids, attn, autocast).cpu())
+        if ref is not None:
+            if ref_state is not None:
+                ref_state.reload(blocking=False)
+            for i in range(0, b["ids"].shape[0], mbs):
+                ids, attn = b["ids"][i : i + mbs].to(device), b["attn"][i : i + mbs].to(device)
+                refs.append(token_logprobs(ref, ids, attn, autocast).cpu())
+            if ref_state is not None:
+                ref_state.offload(params="offload", blocking=False)
+    return torch.cat(olds), (torch.cat(refs) if refs else None)
+
+
+def _update(
+    cfg: GRPOConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    b: dict[str, torch.Tensor],
+    adv: torch.Tensor,
+    old: torch.Tensor,
+    refs: torch.Tensor | None,
+    device: torch.device,
+    autocast: Any,
+    tl: MemoryTimeline,
+    step: int,
+    world: int,
+) -> tuple[float, float, float]:
+    """``updates_per_step`` optimizer steps over a shuffled split of the batch, each from micro-batches."""
+    n = b["ids"].shape[0]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + step))
+    minis = [m for m in order.tensor_split(cfg.updates_per_step) if m.numel()]
+    loss_sum = kl_sum = 0.0
+    gnorm = 0.0
+    for mini in minis:
+        denom = max(b["resp"][mini].sum().item(), 1.0)
+        for mb in mini.split(cfg.micro_batch_size):
+            ids, attn = b["ids"][mb].to(device), b["attn"][mb].to(device)
+            mask = b["resp"][mb].to(device)
+            logp = token_logprobs(model, ids, attn, autocast)
+            loss, kl = grpo_loss(
+                logp,
+                old[mb].to(device),
+                refs[mb].to(device) if refs is not None else None,
+                adv[mb].to(device),
+                mask,
+                clip_eps=cfg.clip_eps,
+                kl_coef=cfg.kl_coef,
+                denom=denom,
+            )
+            loss.backward()
+            loss_sum += loss.item() / len(minis)
+            kl_sum += kl.item()
+        tl.sample("train", step)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        gnorm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        opt.step()
+        opt.zero_grad()
+        tl.sample("train", step)
+    return loss_sum, kl_sum, gnorm
+
+
+def _set_reshard(model: nn.Module, reshard: bool, world: int) -> None:
+    """Under FSDP2, keep the gathered weights through the rollout (one all-gather instead of one per token)
+    and shard them again after."""
+    if world == 1:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.set_reshard_after_forward(reshard, recurse=False)
+    if reshard:
+        for m in mods:
+            m.reshard()
+
+
+def _track(
+    tl: MemoryTimeline,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    pm: PhaseManager,
+    ref: nn.Module | None,
+    ref_state: TrainState | None,
+    sampler: Any,
+) -> None:
+    """Bytes by category on this device: rlmem's own counts where it holds the tensors, else the tensors."""
+
+    def cat(name: str) -> int:
+        if pm.state is not None:
+            return pm.state.stats()["categories"][name]["resident_bytes"]
+        if name == "params":
+            return _local_bytes(model.parameters())
+        if name == "grads":
+            return _local_bytes(p.grad for p in model.parameters())
+        return _local_bytes(
+            v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        )
+
+    tl.track("params", lambda: cat("params"))
+    tl.track("grads", lambda: cat("grads"))
+    tl.track("optimizer", lambda: cat("optimizer"))
+    if ref is not None:
+        tl.track(
+            "reference",
+            lambda: (
+                ref_state.stats()["categories"]["params"]["resident_bytes"]
+                if ref_state is not None
+                else _local_bytes(ref.parameters())
+            ),
+        )
+    tl.track("kv_cache", lambda: sampler().region.resident_bytes if sampler() is not None else 0)
+
+
+# -- output -------------------------------------------------------------------------------------------
+
+
+def _gib(v: Any) -> str:
+    return "-" if v is None else f"{v / 2**30:.2f}"
+
+
+def _step_line(r: dict[str, Any], steps: int) -> str:
+    return (
+        f"step {r['step'] + 1:>3}/{steps} | reward {r['reward']:.3f} | loss {r['loss']:+.4f} "
+        f"| kl {r['kl']:.4f} | {r['tokens_per_s']:,.0f} tok/s | rollout {r['rollout_s']:.2f}s "
+        f"train {r['train_s']:.2f}s switch {r['switch_s']:.3f}s | peak GiB rollout "
+        f"{_gib(r['peak_rollout'])} train {_gib(r['peak_train'])}"
+    )
+
+
+def _title(cfg: GRPOConfig, offload: bool, device: torch.device) -> str:
+    return f"rlmem GRPO: {cfg.model} on {device.type}, offload {'on' if offload else 'off'}"
+
+
+def _summarize(
+    cfg: GRPOConfig,
+    hist: list[dict[str, Any]],
+    tl: MemoryTimeline,
+    offload: bool,
+    precision: str,
+    world: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    def mean(key: str, rows: list[dict[str, Any]]) -> float:
+        return sum(r[key] for r in rows) / max(len(rows), 1)
+
+    k = min(5, len(hist))
+    return {
+        "config": dataclasses.asdict(cfg),
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "world_size": world,
+        "offload": offload,
+        "precision": precision,
+        "steps": len(hist),
+        "reward_first5": mean("reward", hist[:k]),
+        "reward_last5": mean("reward", hist[-k:]),
+        "losses": [r["loss"] for r in hist],
+        "rewards": [r["reward"] for r in hist],
+        "step_s_mean": mean("step_s", hist),
+        "rollout_tokens_per_s_mean": mean("tokens_per_s", hist),
+        "switch_s_mean": mean("switch_s", hist),
+        "wall_s": sum(r["step_s"] for r in hist),
+        "phases": tl.summary(),
+        "leaks": tl.leaks(),
+    }
+
+
+class _Bar:
+    """A one-line progress bar on stderr (only on a terminal; the per-step lines go to stdout)."""
+
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        self.total, self.enabled, self.t0, self.shown = total, enabled, time.perf_counter(), False
+
+    def update(self, n: int, reward: float) -> None:
+        if not self.enabled:
+            return
+        w = 30
+        fill = int(w * n / self.total)
+        el = time.perf_counter() - self.t0
+        eta = el / n * (self.total - n) if n else 0.0
+        sys.stderr.write(
+            f"\r[{'#' * fill}{'.' * (w - fill)}] {n}/{self.total} reward {reward:.3f} eta {eta:.0f}s"
+        )
+        sys.stderr.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.enabled and self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        self.clear()
+
+
+def report(run_dir: str | os.PathLike[str], *, echo: Any = print, plot: bool = True) -> int:
+    """Re-print a finished run's memory table and reward summary and re-draw its plot.
+
+    Raises:
+        ValueError: ``run_dir`` holds no ``timeline.jsonl``.
+    """
+    d = Path(run_dir)
+    if not (d / "timeline.jsonl").is_file():
+        raise ValueError(f"run_dir {str(d)!r} has no timeline.jsonl (is it the out_dir of rlmem train?)")
+    tl = MemoryTimeline.load(d / "timeline.jsonl")
+    echo(tl.report())
+    if (d / "log.jsonl").is_file():
+        rows = [json.loads(line) for line in (d / "log.jsonl").read_text().splitlines() if line.strip()]
+        if rows:
+            k = min(5, len(rows))
+            first = sum(r["reward"] for r in rows[:k]) / k
+            last = sum(r["reward"] for r in rows[-k:]) / k
+            echo(f"{len(rows)} steps | reward: first 5 {first:.3f} -> last 5 {last:.3f}")
+    if plot:
+        echo(f"timeline plot: {tl.plot(d / 'memory.png', title=f'rlmem GRPO: {d.name}')}")
+    for f in tl.leaks():
+        echo(
+            f"warning: memory grows in phase {f['phase']!r}: {f['category']} "
+            f"{f['bytes_per_step'] / 2**20:.1f} MiB/step"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rlmem train [CONFIG.yaml] [key=value ...]``."""
+    p = argparse.ArgumentParser(prog="rlmem train", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", help="a YAML file (examples/*.yaml); keys as in GRPOConfig")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override a config key")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="same as device=...")
+    p.add_argument("--model", help="same as model=... ('tiny', a preset, or a save_pretrained directory)")
+    p.add_argument("--no-offload", action="store_true", help="same as offload=false")
+    p.add_argument("--seed", type=int, help="same as seed=...")
+    p.add_argument("--out-dir", help="same as out_dir=...")
+    args = p.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        overrides.insert(0, args.config)
+        args.config = None
+    for flag, key in (("device", "device"), ("model", "model"), ("seed", "seed"), ("out_dir", "out_dir")):
+        if getattr(args, flag) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    if args.no_offload:
+        overrides.append("offload=false")
+    try:
+        cfg = _config.load(GRPOConfig, args.config, overrides)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        run(cfg)
+    except torch.OutOfMemoryError as e:
+        print(
+            f"rlmem train: out of device memory: {e}\n  try offload=true, a smaller kv_budget or "
+            "micro_batch_size, or gradient_checkpointing=true",
+            file=sys.stderr,
+        )
+        return 3
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,346 @@
+"""MemoryTimeline: device and host memory over time, tagged by phase and step, with leak detection.
+
+Each sample records PyTorch's allocated and reserved bytes and the driver's free bytes on the device, the
+pinned host bytes rlmem holds, the process RSS, and the bytes of any categories the caller tracks (for
+example parameters, optimizer states, KV cache). Sampling reads counters only: no device synchronisation
+unless ``sync=True``, so it can stay on in a training loop.
+
+Example:
+    >>> tl = MemoryTimeline("cuda")
+    >>> tl.track("kv_cache", lambda: engine.region.resident_bytes)
+    >>> with tl.phase("rollout", step):
+    ...     engine.generate(prompts)
+    >>> print(tl.report()); tl.plot("memory.png"); tl.check_leaks()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._pinned import host_memory_held
+
+__all__ = ["MemoryLeakWarning", "MemoryTimeline"]
+
+_GIB = 1024**3
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class MemoryLeakWarning(UserWarning):
+    """A phase's memory grows from step to step."""
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return 0
+
+
+class MemoryTimeline:
+    """Samples of memory, tagged by phase and step.
+
+    Args:
+        device: the CUDA device to watch, or ``"cpu"`` (host figures and tracked categories only).
+        sync: synchronise the device before each sample (exact figures for work still queued; slower).
+        leak_tolerance_bytes: growth per step below which a phase is not reported as leaking.
+        leak_warmup_steps: steps ignored by leak detection (lazily created state, allocator warm-up).
+
+    Raises:
+        ValueError: a bad device or a negative tolerance / warm-up.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | int = "cuda",
+        *,
+        sync: bool = False,
+        leak_tolerance_bytes: int = 1 << 20,
+        leak_warmup_steps: int = 2,
+    ) -> None:
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be 'cpu' or a CUDA device, got {device!r}") from e
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or a CUDA device, got {device!r}")
+        if not isinstance(leak_tolerance_bytes, int) or leak_tolerance_bytes < 0:
+            raise ValueError(f"leak_tolerance_bytes must be an int >= 0, got {leak_tolerance_bytes!r}")
+        if not isinstance(leak_warmup_steps, int) or leak_warmup_steps < 0:
+            raise ValueError(f"leak_warmup_steps must be an int >= 0, got {leak_warmup_steps!r}")
+        self.sync = sync
+        self.leak_tolerance_bytes = leak_tolerance_bytes
+        self.leak_warmup_steps = leak_warmup_steps
+        self.samples: list[dict[str, Any]] = []
+        self.phases: list[dict[str, Any]] = []  # one per phase interval: name, step, start, end, peak
+        self._sources: dict[str, Callable[[], int]] = {}
+        self._t0 = time.perf_counter()
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def track(self, category: str, fn: Callable[[], int]) -> None:
+        """Record ``fn()`` (bytes) under ``category`` in every sample.
+
+        Raises:
+            ValueError: ``category`` is empty or already tracked, or ``fn`` is not callable.
+        """
+        if not isinstance(category, str) or not category or category in self._sources:
+            raise ValueError(f"category must be a new, non-empty name; got {category!r}")
+        if not callable(fn):
+            raise ValueError(f"fn for category {category!r} must be callable")
+        self._sources[category] = fn
+
+    def sample(self, phase: str, step: int, **extra: Any) -> dict[str, Any]:
+        """Take one sample now and return it."""
+        s: dict[str, Any] = {"t": time.perf_counter() - self._t0, "phase": phase, "step": step}
+        if self.on_cuda:
+            if self.sync:
+                torch.cuda.synchronize(self.device)
+            s["allocated"] = torch.cuda.memory_allocated(self.device)
+            s["reserved"] = torch.cuda.memory_reserved(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            s["free"], s["total"] = free, total
+        held = host_memory_held()
+        s["pinned"] = held["pinned"]
+        s["host_backup"] = held["pinned"] + held["pageable"]
+        s["rss"] = _rss()
+        s["categories"] = {k: int(fn()) for k, fn in self._sources.items()}
+        s.update(extra)
+        self.samples.append(s)
+        return s
+
+    @contextmanager
+    def phase(self, name: str, step: int) -> Iterator[dict[str, Any]]:
+        """Samples on entry and exit, and records the phase's peak allocated device bytes.
+
+        The device's peak counter is reset on entry (``torch.cuda.reset_peak_memory_stats``).
+        """
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        rec: dict[str, Any] = {"name": name, "step": step, "start": self.sample(name, step)["t"]}
+        try:
+            yield rec
+        finally:
+            end = self.sample(name, step)
+            rec["end"] = end["t"]
+            rec["peak"] = torch.cuda.max_memory_allocated(self.device) if self.on_cuda else None
+            self.phases.append(rec)
+
+    # -- analysis ---------------------------------------------------------------------------------------
+
+    def _metrics(self, s: dict[str, Any]) -> dict[str, int]:
+        out = {
+            k: s[k] for k in ("allocated", "reserved", "pinned", "host_backup", "rss") if s.get(k) is not None
+        }
+        out.update(s.get("categories", {}))
+        return out
+
+    def leaks(self) -> list[dict[str, Any]]:
+        """Phases whose memory at the end of the phase grows across steps by more than the tolerance.
+
+        For every phase and metric (device allocated/reserved, pinned host, RSS, each tracked category), the
+        value at the end of each step's phase after the warm-up is fitted with a line; growth is reported when
+        the slope exceeds ``leak_tolerance_bytes`` per step and the metric rose over the window.
+        """
+        ends: dict[tuple[str, int], dict[str, int]] = {}
+        for s in self.samples:
+            ends[(s["phase"], s["step"])] = self._metrics(s)
+        series: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+        steps = sorted({step for _, step in ends})
+        skip = set(steps[: self.leak_warmup_steps])
+        for (phase, step), metrics in sorted(ends.items(), key=lambda kv: kv[0][1]):
+            if step in skip:
+                continue
+            for k, v in metrics.items():
+                series[(phase, k)].append((step, v))
+        found = []
+        for (phase, k), pts in series.items():
+            if len(pts) < 3:
+                continue
+            slope = _slope(pts)
+            if slope > self.leak_tolerance_bytes and pts[-1][1] > pts[0][1]:
+                found.append({"phase": phase, "category": k, "bytes_per_step": slope, "steps": len(pts)})
+        return found
+
+    def check_leaks(self) -> list[dict[str, Any]]:
+        """Warn (:class:`MemoryLeakWarning`) for each growth :meth:`leaks` finds, and return them."""
+        found = self.leaks()
+        for f in found:
+            warnings.warn(
+                f"memory grows in phase {f['phase']!r}: {f['category']} by "
+                f"{f['bytes_per_step'] / 2**20:.1f} MiB per step over {f['steps']} steps",
+                MemoryLeakWarning,
+                stacklevel=2,
+            )
+        return found
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per phase: how many intervals, mean seconds, peak allocated, and the max of every metric."""
+        out: dict[str, dict[str, Any]] = {}
+        for rec in self.phases:
+            d = out.setdefault(rec["name"], {"count": 0, "seconds": 0.0, "peak": None})
+            d["count"] += 1
+            d["seconds"] += rec["end"] - rec["start"]
+            if rec.get("peak") is not None:
+                d["peak"] = max(d["peak"] or 0, rec["peak"])
+        for s in self.samples:
+            d = out.setdefault(s["phase"], {"count": 0, "seconds": 0.0, "peak": None})
+            for k, v in self._metrics(s).items():
+                d[f"max_{k}"] = max(d.get(f"max_{k}", 0), v)
+        for d in out.values():
+            d["mean_seconds"] = d["seconds"] / d["count"] if d["count"] else None
+        return out
+
+    def report(self) -> str:
+        """A table: one row per phase, its peak device memory and the largest value of every metric."""
+        summ = self.summary()
+        if not summ:
+            return "(no samples)"
+        keys = ["peak", *sorted({k for d in summ.values() for k in d if k.startswith("max_")}, key=_order)]
+        head = ["phase", "count", "mean s", *(("peak alloc" if k == "peak" else k[4:]) for k in keys)]
+        rows = [head]
+        for name, d in summ.items():
+            cells = [name, str(d["count"]), f"{d['mean_seconds']:.3f}" if d["mean_seconds"] else "-"]
+            cells += [_gib(d.get(k)) for k in keys]
+            rows.append(cells)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = [
+            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+            for r in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "memory by phase (GiB; maxima over the run)\n" + "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
+        """Draw memory by category over time, phases shaded, to a PNG at ``path``.
+
+        Raises:
+            RuntimeError: matplotlib is not installed (``pip install matplotlib``).
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise RuntimeError("MemoryTimeline.plot needs matplotlib: pip install matplotlib") from e
+        if not self.samples:
+            raise RuntimeError("MemoryTimeline.plot: no samples")
+        t = [s["t"] for s in self.samples]
+        cats = list(dict.fromkeys(k for s in self.samples for k in s.get("categories", {})))
+        stacks = [[s.get("categories", {}).get(c, 0) / _GIB for s in self.samples] for c in cats]
+        labels = list(cats)
+        if self.on_cuda or "allocated" in self.samples[0]:
+            other = [
+                max(0.0, s["allocated"] / _GIB - sum(st[i] for st in stacks))
+                for i, s in enumerate(self.samples)
+            ]
+            stacks.append(other)
+            labels.append("other allocated")
+        fig, (ax, hx) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, height_ratios=[3, 1])
+        if stacks:
+            ax.stackplot(t, *stacks, labels=labels, step="post", alpha=0.85)
+        if "reserved" in self.samples[0]:
+            ax.step(
+                t,
+                [s["reserved"] / _GIB for s in self.samples],
+                where="post",
+                color="k",
+                lw=1,
+                label="reserved",
+            )
+        colors = {}
+        palette = ["#dbe9f6", "#fde0c5", "#e3f1da", "#eadcf0"]
+        for rec in self.phases:
+            c = colors.setdefault(rec["name"], palette[len(colors) % len(palette)])
+            for a in (ax, hx):
+                a.axvspan(rec["start"], rec["end"], color=c, zorder=0, lw=0)
+        ax.set_ylabel("device GiB" if "reserved" in self.samples[0] else "GiB (tracked)")
+        ax.legend(loc="upper left", fontsize=8, ncol=3)
+        hx.step(t, [s["rss"] / _GIB for s in self.samples], where="post", label="process RSS")
+        hx.step(t, [s["host_backup"] / _GIB for s in self.samples], where="post", label="rlmem host backups")
+        hx.set_ylabel("host GiB")
+        hx.set_xlabel("seconds (shaded: " + ", ".join(f"{n}" for n in colors) + ")")
+        hx.legend(loc="upper left", fontsize=8)
+        ax.set_title(title or "memory timeline")
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    # -- persistence --------------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write samples and phase intervals as JSON lines (``{"sample": ...}`` / ``{"phase": ...}``)."""
+        path = Path(path)
+        with path.open("w") as f:
+            f.write(json.dumps({"device": str(self.device)}) + "\n")
+            for s in self.samples:
+                f.write(json.dumps({"sample": s}) + "\n")
+            for rec in self.phases:
+                f.write(json.dumps({"phase": rec}) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> MemoryTimeline:
+        """Read what :meth:`save` wrote (no device is touched).
+
+        Raises:
+            ValueError: the file is not a saved timeline.
+        """
+        lines = Path(path).read_text().splitlines()
+        try:
+            head = json.loads(lines[0])
+            tl = cls.__new__(cls)
+            tl.device = torch.device(head["device"])
+            tl.sync, tl.leak_tolerance_bytes, tl.leak_warmup_steps = False, 1 << 20, 2
+            tl.samples, tl.phases, tl._sources, tl._t0 = [], [], {}, 0.0
+            for line in lines[1:]:
+                rec = json.loads(line)
+                if "sample" in rec:
+                    tl.samples.append(rec["sample"])
+                else:
+                    tl.phases.append(rec["phase"])
+        except (IndexError, KeyError, json.JSONDecodeError, RuntimeError) as e:
+            raise ValueError(f"{path} is not a saved MemoryTimeline: {e}") from e
+        return tl
+
+
+def _slope(pts: list[tuple[int, int]]) -> float:
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    den = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / den if den else 0.0
+
+
+def _order(k: str) -> tuple[int, str]:
+    fixed = ["max_allocated", "max_reserved"]
+    tail = ["max_pinned", "max_host_backup", "max_rss"]
+    if k in fixed:
+        return (0, str(fixed.index(k)))
+    if k in tail:
+        return (2, str(tail.index(k)))
+    return (1, k)
+
+
+def _gib(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v / _GIB:.2f}"

@@ -1,0 +1,139 @@
+"""The GRPO recipe: its pieces, its config, and short real runs on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("yaml")
+
+from rlmem.cli import main as cli_main
+from rlmem.recipes import _config
+from rlmem.recipes.grpo import (
+    GRPOConfig,
+    group_advantages,
+    grpo_loss,
+    make_batch,
+    run,
+)
+
+
+def test_group_advantages_are_normalised_within_each_group():
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.2, 0.2, 0.2])
+    a = group_advantages(r, 4)
+    g1, g2 = a[:4], a[4:]
+    assert g1.sum().abs() < 1e-6 and g1[0] > 0 > g1[1] and g1[2] == g1[3] == 0
+    assert torch.all(g2 == 0)  # all samples of a prompt equal: no signal
+    assert torch.allclose(g1.std(unbiased=False), torch.tensor(1.0), atol=1e-3)
+
+
+def test_make_batch_masks_only_completion_targets():
+    b = make_batch([[1, 5, 6, 3, 7, 2], [1, 4, 3, 9]], [4, 3], pad=0)
+    assert b["ids"].tolist() == [[1, 5, 6, 3, 7, 2], [1, 4, 3, 9, 0, 0]]
+    assert b["attn"].tolist() == [[1] * 6, [1, 1, 1, 1, 0, 0]]
+    # targets are ids[:, 1:]; completion tokens are 7, 2 (row 0) and 9 (row 1)
+    assert b["resp"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 0, 0]]
+
+
+def test_loss_is_the_same_whatever_the_micro_batching():
+    torch.manual_seed(0)
+    logp = torch.randn(6, 5, requires_grad=True)
+    old, ref = logp.detach() + 0.1 * torch.randn(6, 5), logp.detach() + 0.1 * torch.randn(6, 5)
+    adv, mask = torch.randn(6), (torch.rand(6, 5) > 0.3).float()
+    kw = dict(clip_eps=0.2, kl_coef=0.05, denom=mask.sum().item())
+    full, _ = grpo_loss(logp, old, ref, adv, mask, **kw)
+    (g_full,) = torch.autograd.grad(full, logp)
+    parts = [grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s], **kw)[0] for s in (slice(0, 2), slice(2, 6))]
+    (g_parts,) = torch.autograd.grad(sum(parts), logp)
+    assert torch.allclose(sum(parts), full) and torch.allclose(g_parts, g_full)
+
+
+def test_clipped_ratio_stops_the_gradient():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    old = torch.tensor([[-1.0, 0.0]])  # ratio e at token 0 (clipped for a positive advantage), 1 at token 1
+    loss, _ = grpo_loss(
+        logp, old, None, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.2, kl_coef=0, denom=2
+    )
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == -0.5
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'stepz'.*valid keys: model"):
+        _config.load(GRPOConfig, None, ["stepz=3"])
+    with pytest.raises(ValueError, match="group_size must be an int >= 2"):
+        _config.load(GRPOConfig, None, ["group_size=1"])
+    with pytest.raises(ValueError, match="precision must be one of"):
+        GRPOConfig(precision="fp8")
+    with pytest.raises(ValueError, match="kv_budget must be"):
+        GRPOConfig(kv_budget="lots")
+    with pytest.raises(ValueError, match="kv_budget must be"):
+        GRPOConfig(kv_budget=1.5)
+    with pytest.raises(ValueError, match="must look like key=value"):
+        _config.load(GRPOConfig, None, ["steps"])
+    with pytest.raises(ValueError, match="min_digits"):
+        GRPOConfig(min_digits=0)
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 7\nlr: 3e-4\nkv_budget: 64MiB\n")
+    cfg = _config.load(GRPOConfig, f, ["seed=3", "lr=1e-3"])
+    assert (cfg.steps, cfg.lr, cfg.seed, cfg.kv_budget) == (7, 1e-3, 3, "64MiB")
+    assert _config.parse_bytes("kv_budget", cfg.kv_budget) == 64 << 20
+    with pytest.raises(SystemExit):
+        cli_main(["train", "no_such_key=1"])
+
+
+def _short(tmp_path, name, **kw):
+    cfg = dict(
+        steps=3, prompts_per_step=8, group_size=4, out_dir=str(tmp_path / name), progress=False, plot=False
+    )
+    cfg.update(kw)
+    return run(GRPOConfig(**cfg), echo=lambda *a, **k: None)
+
+
+def test_offload_on_and_off_give_identical_losses_and_rewards(tmp_path):
+    # On the CPU the offload path runs through rlmem's host backend: same adoption, same copies.
+    kw = dict(kl_coef=0.1, updates_per_step=2, micro_batch_size=8, kv_budget="4KiB")
+    off = _short(tmp_path, "off", offload=False, **kw)
+    on = _short(tmp_path, "on", offload=True, **kw)
+    assert on["offload"] and not off["offload"]
+    assert on["losses"] == off["losses"] and on["rewards"] == off["rewards"]
+    kl = [json.loads(line)["kl"] for line in (tmp_path / "on" / "log.jsonl").read_text().splitlines()]
+    assert kl[0] == 0 and kl[-1] > 0  # the reference model scored the batch and the policy moved away
+
+
+def test_the_default_run_learns(tmp_path):
+    # A shorter version of `rlmem train`'s default run: the reward must clearly rise.
+    s = run(
+        GRPOConfig(steps=40, out_dir=str(tmp_path / "r"), progress=False, plot=False),
+        echo=lambda *a, **k: None,
+    )
+    assert s["reward_last5"] > s["reward_first5"] + 0.1, (s["reward_first5"], s["reward_last5"])
+
+
+def test_outputs_and_report(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run_dir = tmp_path / "run"
+    assert cli_main(["train", "steps=2", "prompts_per_step=4", "group_size=2", f"out_dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "step   2/2 | reward" in out and "memory by phase" in out
+    for f in ("config.yaml", "log.jsonl", "timeline.jsonl", "summary.json", "memory.png"):
+        assert (run_dir / f).is_file(), f
+    rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["tokens"] > 0 for r in rows)
+    (run_dir / "memory.png").unlink()
+    assert cli_main(["report", str(run_dir)]) == 0
+    assert "memory by phase" in capsys.readouterr().out and (run_dir / "memory.png").is_file()
+    with pytest.raises(SystemExit):
+        cli_main(["report", str(tmp_path / "nothing")])
+
+
+@pytest.mark.cuda
+def test_offload_on_and_off_identical_on_cuda(tmp_path):
+    kw = dict(kl_coef=0.1, updates_per_step=2, micro_batch_size=8, device="cuda")
+    off = _short(tmp_path, "off", offload=False, **kw)
+    on = _short(tmp_path, "on", offload=True, **kw)
+    assert on["losses"] == off["losses"] and on["rewards"] == off["rewards"]
+    assert on["phases"]["rollout"]["peak"] < off["phases"]["rollout"]["peak"]
