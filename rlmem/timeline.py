@@ -212,11 +212,13 @@ class MemoryTimeline:
         if not summ:
             return "(no samples)"
         keys = ["peak", *sorted({k for d in summ.values() for k in d if k.startswith("max_")}, key=_order)]
+        biggest = max((d.get(k) or 0 for d in summ.values() for k in keys), default=0)
+        unit, unit_name = (_GIB, "GiB") if biggest >= _GIB else (1 << 20, "MiB")
         head = ["phase", "count", "mean s", *(("peak alloc" if k == "peak" else k[4:]) for k in keys)]
         rows = [head]
         for name, d in summ.items():
             cells = [name, str(d["count"]), f"{d['mean_seconds']:.3f}" if d["mean_seconds"] else "-"]
-            cells += [_gib(d.get(k)) for k in keys]
+            cells += [_size(d.get(k), unit) for k in keys]
             rows.append(cells)
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = [
@@ -224,7 +226,7 @@ class MemoryTimeline:
             for r in rows
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        return "memory by phase (GiB; maxima over the run)\n" + "\n".join(lines)
+        return f"memory by phase ({unit_name}; maxima over the run)\n" + "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
         """Draw memory by category over time, phases shaded, to a PNG at ``path``.
@@ -340,7 +342,7 @@ def _order(k: str) -> tuple[int, str]:
     return (1, k)
 
 
-def _gib(v: Any) -> str:
+def _size(v: Any, unit: int) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
-    return f"{v / _GIB:.2f}"
+    return f"{v / unit:.2f}"

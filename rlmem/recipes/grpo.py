@@ -781,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     try:
         run(cfg)
+    except ValueError as e:
+        print(f"rlmem train: error: {e}", file=sys.stderr)
+        return 2
     except torch.OutOfMemoryError as e:
         print(
             f"rlmem train: out of device memory: {e}\n  try offload=true, a smaller kv_budget or "
