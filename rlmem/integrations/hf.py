@@ -10,13 +10,13 @@ like vLLM's ``gpu_memory_utilization``.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .. import _dtensor
 from ..region import Region
 
 __all__ = ["HFSampler", "kv_bytes_per_token"]
@@ -93,19 +93,22 @@ class HFSampler:
         self.compute_dtype = compute_dtype
         self.sync_every = sync_every
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        # One forward step allocates every layer's tensors at this batch size (through the public path, which
-        # holds across transformers releases); they are then moved into the Region.
+        # One forward step of a single sequence initialises every layer (shapes, dtype, device: through the
+        # public path, which holds across transformers releases); each layer's tensors are then replaced by
+        # views of the full batch in the Region. Probing at the full batch would hold the whole cache twice.
         with torch.no_grad():
-            self._forward(
-                torch.full((batch_size, 1), pad_token_id, dtype=torch.long, device=device), None, None
-            )
-        tensors = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
-        self.region = Region(
-            sum(t.numel() * t.element_size() for t in tensors) + 256 * len(tensors), device, name=name
-        )
-        for t in tensors:
-            flat = self.region.empty(t.numel() * t.element_size(), torch.uint8)
-            _dtensor.repoint([t], flat)
+            self._forward(torch.full((1, 1), pad_token_id, dtype=torch.long, device=device), None, None)
+        layers = self.cache.layers
+        shapes = [
+            ((batch_size, *t.shape[1:]), t.dtype) for layer in layers for t in (layer.keys, layer.values)
+        ]
+        nbytes = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in shapes)
+        self.region = Region(nbytes + 256 * len(shapes), device, name=name)
+        views = [self.region.empty(s, d) for s, d in shapes]
+        for i, layer in enumerate(layers):
+            layer.keys, layer.values = views[2 * i], views[2 * i + 1]
+            if hasattr(layer, "batch_size"):
+                layer.batch_size = batch_size
         self.cache.reset()
         self.tokens_generated = 0
 
