@@ -152,3 +152,15 @@ def test_phase_manager_sleeps_it_in_train_and_wakes_it_for_rollout(device):
     with pm.rollout():
         assert not s.region.paused
         s.generate(PROMPTS[:2], max_new_tokens=4, temperature=0)
+
+
+@pytest.mark.cuda
+def test_the_cache_is_never_held_twice():
+    # The cache goes straight into the Region: PyTorch's allocator never holds a full-batch copy.
+    model = tiny("cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    s = HFSampler(model, max_len=512, batch_size=256, pad_token_id=0, eos_token_id=2)
+    assert s.kv_bytes >= 256 * 512 * kv_bytes_per_token(model.config, torch.float32)
+    assert torch.cuda.max_memory_allocated() - base < s.kv_bytes / 20
