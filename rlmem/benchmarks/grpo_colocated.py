@@ -89,7 +89,7 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
         except torch.OutOfMemoryError as e:
             return {
                 "oom": True,
-                "error": str(e).splitlines()[0][:400],
+                "oom_message": str(e).splitlines()[0][:400],
                 "allocated_at_oom": torch.cuda.memory_allocated(),
             }
         rows = [json.loads(line) for line in (Path(d) / "log.jsonl").read_text().splitlines()]
