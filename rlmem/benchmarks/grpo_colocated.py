@@ -10,8 +10,10 @@ minutes here; with 16 it holds 240k. Parts differ only in the KV-cache budget an
 * ``big-nooffload``: the big budget without offload: expected to run out of memory (the optimizer states
   and the cache cannot be resident together);
 * ``big-offload``: the same budget with offload: the cache holds the whole rollout at once;
-* ``fit-nooffload``: the largest budget here that fits beside the resident train state (half the big one):
-  the rollout runs in two batches.
+* ``half-nooffload``: half the big budget without offload: the rollout fits, but the train phase (40 GiB of
+  state, ~12 GiB of activations and logits, and the cache) runs out of memory on an 80 GB H100;
+* ``fit-nooffload``: a budget that fits beside the resident train state in both phases (``--kv-fit-gib``):
+  the rollout runs in several batches.
 
 Summary: ``oom_without_offload``, ``rollout_tokens_per_s_offload`` (big-offload),
 ``rollout_tokens_per_s_no_offload`` (fit-nooffload), ``switch_share_of_step`` (big-offload's phase
@@ -49,7 +51,7 @@ def _gib(v: float | None) -> float | None:
     return None if v is None else v / _GiB
 
 
-PARTS = ("big-nooffload", "big-offload", "fit-nooffload")
+PARTS = ("big-nooffload", "big-offload", "half-nooffload", "fit-nooffload")
 TARGETS = {
     "switch_share_of_step": ("<", 0.05),
     "tokens_per_s_gain": (">", 1.0),
@@ -59,8 +61,7 @@ TARGETS = {
 def _config(args: argparse.Namespace, part: str, out_dir: str) -> Any:
     from ..recipes.grpo import GRPOConfig
 
-    big = args.kv_big_gib
-    budget = big if part.startswith("big") else big / 2
+    budget = {"big": args.kv_big_gib, "half": args.kv_big_gib / 2, "fit": args.kv_fit_gib}[part.split("-")[0]]
     return GRPOConfig(
         model=args.model,
         device=args.device,
@@ -145,8 +146,9 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         "--model", default="qwen2-2.7b-mha", help="'tiny', a preset of rlmem.presets, or a directory"
     )
     p.add_argument("--device", default="cuda")
+    p.add_argument("--kv-big-gib", type=float, default=52.0, help="the big KV budget (GiB)")
     p.add_argument(
-        "--kv-big-gib", type=float, default=52.0, help="the big KV budget (GiB); the fitting one is half"
+        "--kv-fit-gib", type=float, default=20.0, help="a KV budget that fits without offload (GiB)"
     )
     p.add_argument("--prompts", type=int, default=29, help="prompts per step (29 x 16 fill 52 GiB)")
     p.add_argument("--group", type=int, default=16, help="samples per prompt")
