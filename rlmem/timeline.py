@@ -114,7 +114,7 @@ class MemoryTimeline:
             s["allocated"] = torch.cuda.memory_allocated(self.device)
             s["reserved"] = torch.cuda.memory_reserved(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            s["free"], s["total"] = free, total
+            s["free"], s["total"], s["used"] = free, total, total - free
         held = host_memory_held()
         s["pinned"] = held["pinned"]
         s["host_backup"] = held["pinned"] + held["pageable"]
