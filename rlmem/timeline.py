@@ -144,9 +144,8 @@ class MemoryTimeline:
     # -- analysis ---------------------------------------------------------------------------------------
 
     def _metrics(self, s: dict[str, Any]) -> dict[str, int]:
-        out = {
-            k: s[k] for k in ("allocated", "reserved", "pinned", "host_backup", "rss") if s.get(k) is not None
-        }
+        keys = ("used", "allocated", "reserved", "pinned", "host_backup", "rss")
+        out = {k: s[k] for k in keys if s.get(k) is not None}
         out.update(s.get("categories", {}))
         return out
 
@@ -333,7 +332,7 @@ def _slope(pts: list[tuple[int, int]]) -> float:
 
 
 def _order(k: str) -> tuple[int, str]:
-    fixed = ["max_allocated", "max_reserved"]
+    fixed = ["max_used", "max_allocated", "max_reserved"]
     tail = ["max_pinned", "max_host_backup", "max_rss"]
     if k in fixed:
         return (0, str(fixed.index(k)))
