@@ -485,6 +485,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 "step_s": time.perf_counter() - t_step,
                 "peak_rollout": tl.phases[-2]["peak"],
                 "peak_train": tl.phases[-1]["peak"],
+                "used_rollout": _max_used(tl, "rollout", step),
+                "used_train": _max_used(tl, "train", step),
                 "kv_batch": sampler.batch_size,
                 "kv_bytes": sampler.kv_bytes,
             }
@@ -653,12 +655,19 @@ def _gib(v: Any) -> str:
     return "-" if v is None else f"{v / 2**30:.2f}"
 
 
+def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
+    """Most device memory in use (driver's view: PyTorch's allocations, rlmem's Regions, the context) in a
+    phase's samples; PyTorch's own peak misses the Regions."""
+    used = [s["used"] for s in tl.samples if s["phase"] == phase and s["step"] == step and "used" in s]
+    return max(used) if used else None
+
+
 def _step_line(r: dict[str, Any], steps: int) -> str:
     return (
         f"step {r['step'] + 1:>3}/{steps} | reward {r['reward']:.3f} | loss {r['loss']:+.4f} "
         f"| kl {r['kl']:.4f} | {r['tokens_per_s']:,.0f} tok/s | rollout {r['rollout_s']:.2f}s "
-        f"train {r['train_s']:.2f}s switch {r['switch_s']:.3f}s | peak GiB rollout "
-        f"{_gib(r['peak_rollout'])} train {_gib(r['peak_train'])}"
+        f"train {r['train_s']:.2f}s switch {r['switch_s']:.3f}s | device GiB rollout "
+        f"{_gib(r['used_rollout'])} train {_gib(r['used_train'])}"
     )
 
 
