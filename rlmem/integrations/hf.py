@@ -130,18 +130,25 @@ class HFSampler:
         """Last-position logits. Under autocast the embeddings enter in the compute dtype: the rotary tables
         follow their dtype, so keys and values reach the cache in one dtype (fp32 keys beside bf16 values
         would not fit one static cache)."""
-        with self._autocast(ids.device):
-            kw: dict[str, Any] = {"input_ids": ids}
-            if self.compute_dtype is not None:
-                kw = {"inputs_embeds": self.model.get_input_embeddings()(ids).to(self.compute_dtype)}
-            out = self.model(
-                **kw,
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        hook = None
+        if self.compute_dtype is not None:
+            # A hook inside the model's own forward, not a separate embedding call: under FSDP2 the weights
+            # are gathered only within the root module's forward.
+            dtype = self.compute_dtype
+            hook = self.model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.to(dtype))
+        try:
+            with self._autocast(ids.device):
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+        finally:
+            if hook is not None:
+                hook.remove()
         return out.logits[:, -1]
 
     def _autocast(self, device: torch.device) -> Any:
