@@ -68,6 +68,21 @@ def test_flat_memory_and_warmup_growth_are_not_leaks():
         assert tl.check_leaks() == []
 
 
+def test_growth_that_levels_off_is_not_a_leak():
+    tl = MemoryTimeline("cpu", leak_warmup_steps=0)
+    held = {"n": 0}
+    tl.track("kernels", lambda: held["n"])
+    for step in range(20):
+        with tl.phase("train", step):
+            if step < 8:
+                held["n"] += 8 * MiB  # loads for a while, then stays flat
+    assert tl.leaks() == []
+    for step in range(20, 30):
+        with tl.phase("train", step):
+            held["n"] += 8 * MiB  # grows again, steadily: now it is one
+    assert [f["category"] for f in tl.leaks()] == ["kernels"]
+
+
 def test_save_load_plot_round_trip(tmp_path):
     pytest.importorskip("matplotlib")
     tl = MemoryTimeline("cpu")

@@ -211,13 +211,16 @@ def build_policy(cfg: GRPOConfig, device: torch.device, dtype: torch.dtype, voca
     return model
 
 
-def _shard(model: nn.Module) -> None:
-    """FSDP2: each decoder layer, then the root (so the embedding and head are sharded too)."""
+def _shard(model: nn.Module, device: torch.device, world: int) -> None:
+    """FSDP2: each decoder layer, then the root (so the embedding and head are sharded too). The mesh is on
+    the run's device type (FSDP2 would default to CUDA on a machine that has it, even for CPU ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh(device.type, (world,))
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -368,9 +371,9 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         model.gradient_checkpointing_enable()
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     if world > 1:
-        _shard(model)
+        _shard(model, device, world)
         if ref is not None:
-            _shard(ref)
+            _shard(ref, device, world)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     _materialize_optimizer_state(opt)
 
