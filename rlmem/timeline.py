@@ -259,15 +259,11 @@ class MemoryTimeline:
         fig, (ax, hx) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, height_ratios=[3, 1])
         if stacks:
             ax.stackplot(t, *stacks, labels=labels, step="post", alpha=0.85)
-        if "reserved" in self.samples[0]:
-            ax.step(
-                t,
-                [s["reserved"] / _GIB for s in self.samples],
-                where="post",
-                color="k",
-                lw=1,
-                label="reserved",
-            )
+        if "used" in self.samples[0]:
+            used = [s["used"] / _GIB for s in self.samples]
+            ax.step(t, used, where="post", color="k", lw=1.2, label="device in use")
+            reserved = [s["reserved"] / _GIB for s in self.samples]
+            ax.step(t, reserved, where="post", color="0.4", lw=1, ls="--", label="PyTorch reserved")
         colors = {}
         palette = ["#dbe9f6", "#fde0c5", "#e3f1da", "#eadcf0"]
         for rec in self.phases:

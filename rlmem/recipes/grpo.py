@@ -427,6 +427,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                         compute_dtype=amp_dtype,
                     )
                     pm.add_engine(sampler)
+                tl.sample("rollout", step)  # the memory the rollout runs with, once the switch is done
                 _set_reshard(model, False, world)
                 t0 = time.perf_counter()
                 group_prompts = [p for p in prompt_ids for _ in range(cfg.group_size)]
@@ -451,6 +452,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 t_train = time.perf_counter()
                 with pm.train():
                     switch_s += (pm.stats()["switches"]["train_s"] or 0.0) if offload else 0.0
+                    tl.sample("train", step)
                     model.train()
                     adv = group_advantages(rewards, cfg.group_size)
                     seqs = [p + c for p, c in zip(group_prompts, comps, strict=True)]
