@@ -249,13 +249,13 @@ class MemoryTimeline:
         cats = list(dict.fromkeys(k for s in self.samples for k in s.get("categories", {})))
         stacks = [[s.get("categories", {}).get(c, 0) / _GIB for s in self.samples] for c in cats]
         labels = list(cats)
-        if self.on_cuda or "allocated" in self.samples[0]:
+        if "used" in self.samples[0]:
+            # The rest of what the device has in use: activations, PyTorch's cached blocks, the CUDA context.
             other = [
-                max(0.0, s["allocated"] / _GIB - sum(st[i] for st in stacks))
-                for i, s in enumerate(self.samples)
+                max(0.0, s["used"] / _GIB - sum(st[i] for st in stacks)) for i, s in enumerate(self.samples)
             ]
             stacks.append(other)
-            labels.append("other allocated")
+            labels.append("other (activations, cache, context)")
         fig, (ax, hx) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, height_ratios=[3, 1])
         if stacks:
             ax.stackplot(t, *stacks, labels=labels, step="post", alpha=0.85)
