@@ -132,7 +132,8 @@ class MemoryTimeline:
         """
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        rec: dict[str, Any] = {"name": name, "step": step, "start": self.sample(name, step)["t"]}
+        # The entry sample shows what the previous phase left: plotted, but not counted as this phase's.
+        rec: dict[str, Any] = {"name": name, "step": step, "start": self.sample(name, step, entry=True)["t"]}
         try:
             yield rec
         finally:
@@ -192,7 +193,8 @@ class MemoryTimeline:
         return found
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """Per phase: how many intervals, mean seconds, peak allocated, and the max of every metric."""
+        """Per phase: how many intervals, mean seconds, peak allocated, and the max of every metric (over the
+        samples taken in the phase; the one taken on entry shows the previous phase's memory)."""
         out: dict[str, dict[str, Any]] = {}
         for rec in self.phases:
             d = out.setdefault(rec["name"], {"count": 0, "seconds": 0.0, "peak": None})
@@ -201,6 +203,8 @@ class MemoryTimeline:
             if rec.get("peak") is not None:
                 d["peak"] = max(d["peak"] or 0, rec["peak"])
         for s in self.samples:
+            if s.get("entry"):
+                continue
             d = out.setdefault(s["phase"], {"count": 0, "seconds": 0.0, "peak": None})
             for k, v in self._metrics(s).items():
                 d[f"max_{k}"] = max(d.get(f"max_{k}", 0), v)

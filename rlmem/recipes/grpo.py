@@ -663,7 +663,11 @@ def _gib(v: Any) -> str:
 def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
     """Most device memory in use (driver's view: PyTorch's allocations, rlmem's Regions, the context) in a
     phase's samples; PyTorch's own peak misses the Regions."""
-    used = [s["used"] for s in tl.samples if s["phase"] == phase and s["step"] == step and "used" in s]
+    used = [
+        s["used"]
+        for s in tl.samples
+        if s["phase"] == phase and s["step"] == step and "used" in s and not s.get("entry")
+    ]
     return max(used) if used else None
 
 
