@@ -141,3 +141,12 @@ def test_offload_on_and_off_identical_on_cuda(tmp_path):
     on = _short(tmp_path, "on", offload=True, **kw)
     assert on["losses"] == off["losses"] and on["rewards"] == off["rewards"]
     assert on["phases"]["rollout"]["peak"] < off["phases"]["rollout"]["peak"]
+
+
+def test_every_example_config_loads():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
+    assert files
+    for f in files:
+        assert isinstance(_config.load(GRPOConfig, f, []), GRPOConfig), f
