@@ -150,3 +150,15 @@ def test_every_example_config_loads():
     assert files
     for f in files:
         assert isinstance(_config.load(GRPOConfig, f, []), GRPOConfig), f
+
+
+def test_a_saved_checkpoint_and_gradient_checkpointing(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlmem.recipes.grpo import TINY
+
+    Qwen2ForCausalLM(Qwen2Config(**TINY, vocab_size=14)).save_pretrained(tmp_path / "ckpt")
+    s = _short(tmp_path, "ckpt-run", model=str(tmp_path / "ckpt"), steps=2, gradient_checkpointing=True)
+    assert s["steps"] == 2 and all(torch.isfinite(torch.tensor(s["losses"])))
+    with pytest.raises(ValueError, match="save_pretrained"):
+        _short(tmp_path, "bad", model=str(tmp_path / "nothing-here"))

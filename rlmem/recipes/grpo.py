@@ -367,8 +367,11 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
 
     # Policy, reference, optimizer.
     model = build_policy(cfg, device, param_dtype, tok.vocab_size)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if cfg.gradient_checkpointing:  # Hugging Face's switch (renamed in transformers 5.x)
+        enable = (
+            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        )
+        enable()
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     if world > 1:
         _shard(model, device, world)
