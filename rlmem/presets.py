@@ -36,18 +36,6 @@ QWEN2 = {
         tie_word_embeddings=True,
         max_position_embeddings=8192,
     ),
-    # Qwen2's 2.5B shape with one KV head per query head (as Qwen1.5): 8x the KV cache per token, so a
-    # KV budget of tens of GiB fills with a rollout that one step can also train on in a benchmark.
-    "qwen2-2.7b-mha": dict(
-        hidden_size=2048,
-        num_hidden_layers=28,
-        intermediate_size=11008,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=8192,
-    ),
     "qwen2-tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -59,6 +47,9 @@ QWEN2 = {
         max_position_embeddings=512,
     ),
 }
+# Qwen2's 2.5B shape with one KV head per query head (as Qwen1.5): 8x the KV cache per token, so a KV budget
+# of tens of GiB fills with a rollout that one step can also train on in a benchmark.
+QWEN2["qwen2-2.7b-mha"] = {**QWEN2["qwen2-2.5b"], "num_key_value_heads": 16}
 PRESETS = (*QWEN2, "mlp-tiny")
 
 

@@ -540,20 +540,24 @@ def _score(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the sampled tokens under the policy before the update (the ratio's denominator) and
     under the reference model, which is brought in for this and sent back right after."""
-    olds, refs = [], []
-    with torch.no_grad():
+
+    @torch.no_grad()
+    def score(m: nn.Module) -> torch.Tensor:
+        parts = []
         for i in range(0, b["ids"].shape[0], mbs):
             ids, attn = b["ids"][i : i + mbs].to(device), b["attn"][i : i + mbs].to(device)
-            olds.append(token_logprobs(model, ids, attn, autocast).cpu())
-        if ref is not None:
-            if ref_state is not None:
-                ref_state.reload(blocking=False)
-            for i in range(0, b["ids"].shape[0], mbs):
-                ids, attn = b["ids"][i : i + mbs].to(device), b["attn"][i : i + mbs].to(device)
-                refs.append(token_logprobs(ref, ids, attn, autocast).cpu())
-            if ref_state is not None:
-                ref_state.offload(params="offload", blocking=False)
-    return torch.cat(olds), (torch.cat(refs) if refs else None)
+            parts.append(token_logprobs(m, ids, attn, autocast).cpu())
+        return torch.cat(parts)
+
+    old = score(model)
+    if ref is None:
+        return old, None
+    if ref_state is not None:
+        ref_state.reload(blocking=False)
+    refs = score(ref)
+    if ref_state is not None:
+        ref_state.offload(params="offload", blocking=False)
+    return old, refs
 
 
 def _update(
@@ -666,11 +670,12 @@ def _gib(v: Any) -> str:
 def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
     """Most device memory in use (driver's view: PyTorch's allocations, rlmem's Regions, the context) in a
     phase's samples; PyTorch's own peak misses the Regions."""
-    used = [
-        s["used"]
-        for s in tl.samples
-        if s["phase"] == phase and s["step"] == step and "used" in s and not s.get("entry")
-    ]
+    used = []
+    for s in reversed(tl.samples):  # this step's samples are the newest: stop at the previous step's
+        if s["step"] < step:
+            break
+        if s["phase"] == phase and s["step"] == step and "used" in s and not s.get("entry"):
+            used.append(s["used"])
     return max(used) if used else None
 
 
