@@ -8,10 +8,18 @@ Public API:
     OutOfMemoryError, HostOutOfMemoryError, RegionClosedError, CudaError: errors.
     MemoryTimeline, MemoryLeakWarning: memory over time by phase and category, with leak detection.
     host_memory_held: bytes of host backup memory rlmem holds.
+    offload_activations, ActivationOffloader: per-module activation offloading (names as Megatron-Core's),
+        by hand or under a measured budget.
+    checkpoint, CheckpointHandle: activation checkpointing of chosen decoder layers (inputs offloaded when
+        combined with offload_activations).
+    ModuleMap: module-path patterns for models whose layout rlmem does not recognise.
 """
 
 from ._pinned import host_memory_held
+from .activations import ActivationOffloader, offload_activations
+from .checkpointing import CheckpointHandle, checkpoint
 from .errors import CudaError, HostOutOfMemoryError, OutOfMemoryError, RegionClosedError
+from .modmap import ModuleMap
 from .phases import Engine, OffloadConfig, PhaseManager
 from .region import Handle, Region, RegionStats
 from .state import TrainState
@@ -20,12 +28,15 @@ from .timeline import MemoryLeakWarning, MemoryTimeline
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationOffloader",
+    "CheckpointHandle",
     "CudaError",
     "Engine",
     "Handle",
     "HostOutOfMemoryError",
     "MemoryLeakWarning",
     "MemoryTimeline",
+    "ModuleMap",
     "OffloadConfig",
     "OutOfMemoryError",
     "PhaseManager",
@@ -34,5 +45,7 @@ __all__ = [
     "RegionStats",
     "TrainState",
     "__version__",
+    "checkpoint",
     "host_memory_held",
+    "offload_activations",
 ]

@@ -17,9 +17,9 @@ import torch
 from .errors import CudaError
 
 _driver: Any = None
-_lock = threading.Lock()
+_lock = threading.RLock()  # copy_streams retains the primary context while holding it
 _primary_ctx: dict[int, Any] = {}
-_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+_streams: dict[tuple[int, str], tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 _stream_handles: list[Any] = []
 
 CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -90,18 +90,20 @@ def context(index: int) -> Iterator[None]:
         call("cuCtxPopCurrent")
 
 
-def copy_streams(index: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """The dedicated (device-to-host, host-to-device) copy streams of device ``index``.
+def copy_streams(index: int, role: str = "region") -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The dedicated (device-to-host, host-to-device) copy streams of device ``index`` for ``role``.
+
+    Region copies and activation copies get their own pairs, so neither waits behind the other.
 
     Two streams, so an offload and a reload can use both directions of the link at once. They are made
     with the driver and wrapped, not taken from PyTorch's stream pool: the pool's first use creates all of
     its streams, which cost 70 MiB of device memory on an H100 (measured), in a process that may need none.
     """
-    pair = _streams.get(index)
+    pair = _streams.get((index, role))
     if pair is None:
         d = driver()
         with _lock:
-            pair = _streams.get(index)
+            pair = _streams.get((index, role))
             if pair is None:
                 made = []
                 with context(index):
@@ -110,7 +112,7 @@ def copy_streams(index: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
                         _stream_handles.append(s)  # lives as long as the process
                         made.append(torch.cuda.ExternalStream(int(s), device=torch.device("cuda", index)))
                 pair = (made[0], made[1])
-                _streams[index] = pair
+                _streams[(index, role)] = pair
     return pair
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo] [args...]
-# bench-grpo passes its args to bench/grpo_colocated.py (e.g. --parts big-offload --merge).
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act] [args...]
+# bench-grpo passes its args to bench/grpo_colocated.py (e.g. --parts big-offload --merge);
+# bench-act passes its args to bench/activations.py (e.g. --models qwen2-wide).
 # Carry .whl (torch_memory_saver 0.0.10) for the phase_switch comparison; see README.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +56,13 @@ if [[ $what == all || $what == bench || $what == bench-grpo ]]; then
   [[ -f bench/results/grpo_colocated-$name.json ]] && cp "bench/results/grpo_colocated-$name.json" "$OUT/"
   python3 bench/grpo_colocated.py --machine "$name" --json "$OUT/grpo_colocated-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_grpo_colocated.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == all || $what == bench || $what == bench-act ]]; then
+  extra=()
+  [[ $what == bench-act ]] && extra=("$@")
+  python3 bench/activations.py --machine "$name" --json "$OUT/activations-$name.json" "${extra[@]}" \
+    2>&1 | tee "$OUT/bench_activations.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 exit $status

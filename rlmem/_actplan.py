@@ -1,0 +1,176 @@
+"""Choosing what to offload from a measured warm-up step (the budget mode of ``offload_activations``).
+
+Activations leave the device during the forward pass, one copy after another on one link. A copy can
+start once its tensor is produced and must end before the forward pass (plus the overhead accepted) ends,
+or the step waits for it. So the choice is a queue: candidates are taken in the order they are produced
+(earliest layers first: they have the most compute left to hide under, and backward needs them last),
+and each is kept only if the queue still drains in time. A byte budget adds what is needed to get under
+it, hidden or not, and says what that costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Bytes that one (name, layer) scope saved in the warm-up step, and when (seconds from step start)."""
+
+    name: str
+    layer: int
+    nbytes: int
+    produced_s: float
+
+
+@dataclass
+class OffloadPlan:
+    """What the budget mode chose, and why. ``str(plan)`` is a short report."""
+
+    budget: str
+    chosen: list[Candidate]
+    candidates: list[Candidate]
+    d2h_bytes_per_s: float
+    forward_s: float
+    step_s: float
+    activation_bytes: int
+    allowance_s: float
+    finish_s: float
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def offload_bytes(self) -> int:
+        return sum(c.nbytes for c in self.chosen)
+
+    @property
+    def link_bound_bytes(self) -> int:
+        """Bytes the link can move while the forward pass (plus the allowance) runs."""
+        return int(self.d2h_bytes_per_s * (self.forward_s + self.allowance_s))
+
+    @property
+    def expected_overhead_s(self) -> float:
+        """Seconds the step is expected to wait for copies (0 when everything hides)."""
+        return max(0.0, self.finish_s - self.forward_s)
+
+    def selection(self) -> dict[str, list[int]]:
+        """Chosen layers per name."""
+        out: dict[str, list[int]] = {}
+        for c in self.chosen:
+            out.setdefault(c.name, []).append(c.layer)
+        return {k: sorted(v) for k, v in out.items()}
+
+    def __str__(self) -> str:
+        gib = 2**30
+        lines = [
+            f"rlmem activation offload plan (budget={self.budget})",
+            f"  warm-up step {self.step_s * 1e3:.1f} ms, forward {self.forward_s * 1e3:.1f} ms, "
+            f"activations {self.activation_bytes / gib:.3f} GiB, "
+            f"link D2H {self.d2h_bytes_per_s / 1e9:.1f} GB/s",
+            f"  the link can hide {self.link_bound_bytes / gib:.3f} GiB "
+            f"(forward + {self.allowance_s * 1e3:.1f} ms allowed); chosen {self.offload_bytes / gib:.3f} GiB "
+            f"of {sum(c.nbytes for c in self.candidates) / gib:.3f} GiB offloadable, expected wait "
+            f"{self.expected_overhead_s * 1e3:.1f} ms",
+        ]
+        for name, layers in self.selection().items():
+            lines.append(f"  {name}: layers {_ranges(layers)}")
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start, prev = [], None, None
+    for x in [*xs, None]:  # type: ignore[list-item]
+        if start is None:
+            start = prev = x
+        elif x is not None and x == prev + 1:
+            prev = x
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = x
+    return ",".join(out) if xs else "none"
+
+
+def _drain(items: list[Candidate], rate: float) -> float:
+    t = 0.0
+    for c in sorted(items, key=lambda c: c.produced_s):
+        t = max(t, c.produced_s) + c.nbytes / rate
+    return t
+
+
+def choose(
+    candidates: list[Candidate],
+    *,
+    budget: str | int,
+    d2h_bytes_per_s: float,
+    forward_s: float,
+    step_s: float,
+    activation_bytes: int,
+    max_overhead: float,
+) -> OffloadPlan:
+    """Pick candidates so that copies hide under the forward pass (``budget="auto"``), or so that at most
+    ``budget`` bytes of activations stay on the device, hiding as much as possible.
+    """
+    assert d2h_bytes_per_s > 0 and forward_s >= 0
+    allowance = max_overhead * step_s
+    deadline = forward_s + allowance
+    order = sorted(candidates, key=lambda c: (c.layer, c.produced_s, -c.nbytes))
+    chosen: list[Candidate] = []
+    reasons: list[str] = []
+    skipped = 0
+    for c in order:
+        if _drain([*chosen, c], d2h_bytes_per_s) <= deadline:
+            chosen.append(c)
+        else:
+            skipped += 1
+    if skipped:
+        reasons.append(
+            f"{skipped} of {len(order)} candidates left on the device: their copies would end after the "
+            "forward pass plus the allowed overhead"
+        )
+    else:
+        reasons.append("every candidate's copy hides under the forward pass")
+    if budget != "auto":
+        assert isinstance(budget, int)
+        need = activation_bytes - budget
+        have = sum(c.nbytes for c in chosen)
+        if need > have:
+            for c in order:
+                if have >= need:
+                    break
+                if c not in chosen:
+                    chosen.append(c)
+                    have += c.nbytes
+            reasons.append(
+                f"budget {budget / 2**30:.3f} GiB needs {max(need, 0) / 2**30:.3f} GiB off the device; "
+                f"added candidates that do not hide"
+            )
+            if have < need:
+                reasons.append(
+                    f"offloading every candidate still leaves {(need - have) / 2**30:.3f} GiB over the "
+                    "budget: checkpoint layers (rlmem.checkpoint) to get under it"
+                )
+        else:
+            kept, have = [], 0
+            for c in chosen:
+                if have >= need:
+                    break
+                kept.append(c)
+                have += c.nbytes
+            chosen = kept
+            reasons.append(
+                f"budget {budget / 2**30:.3f} GiB met by {have / 2**30:.3f} GiB of copies that hide; "
+                "nothing more is offloaded"
+            )
+    finish = _drain(chosen, d2h_bytes_per_s) if chosen else 0.0
+    return OffloadPlan(
+        budget=str(budget),
+        chosen=chosen,
+        candidates=list(candidates),
+        d2h_bytes_per_s=d2h_bytes_per_s,
+        forward_s=forward_s,
+        step_s=step_s,
+        activation_bytes=activation_bytes,
+        allowance_s=allowance,
+        finish_s=finish,
+        reasons=reasons,
+    )

@@ -1,0 +1,417 @@
+"""Benchmark of activation offloading and checkpointing: step time and peak memory of one training step
+(forward + backward) on DESIGN.md's 2.47B Qwen2-shaped model, a wider one (hidden 4096) and a small MoE.
+
+A step is the decoder body over ``bs x seq`` tokens plus the LM head on the last 256 tokens (so the
+vocabulary does not dominate), bf16 weights, gradients set to None before each step: the peak is over the
+weights, so the bf16 gradients are inside every figure. Contenders, each on the same model and batch:
+
+* ``none``; ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
+* ``ckpt``: every decoder layer checkpointed with ``torch.utils.checkpoint`` (non-reentrant);
+* ``rlmem:<names>``: ``rlmem.offload_activations`` with one name, or ``all`` names;
+* ``rlmem:auto``: the budget mode (its warm-up step is not timed); ``rlmem:ckpt+off``: ``rlmem.checkpoint``
+  of every layer with offloading of all names (so the checkpoint inputs are offloaded).
+
+The link's D2H and H2D rates (pinned, 1 GiB) and the forward time of ``none`` are measured in the same run.
+Summary (at the model's largest grid point unless said): ``hidden_offload_efficiency`` = peak cut of the best
+rlmem configuration with <= 5% step overhead over ``D2H x (forward + 5% of the step)``;
+``best_peak_cut_at_5pct``; ``ckpt_offload_peak_vs_ckpt`` and ``ckpt_offload_overhead_vs_ckpt`` (rlmem's
+checkpointing + offload against checkpointing alone); ``full_offload_vs_floor`` at bs 2 x 2048: ``rlmem:all``
+over ``max(t_fwd, A / D2H) + max(t_bwd, A / H2D)`` with A the bytes it offloaded, and
+``speedup_vs_save_on_cpu_full``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import checkpoint as rl_checkpoint
+from .. import offload_activations
+from ..presets import QWEN2
+from ._common import (
+    check_targets,
+    environment,
+    format_table,
+    machine_name,
+    median,
+    summary_lines,
+    targets_text,
+    write_json,
+)
+
+NAME = "activations"
+_GiB = float(1 << 30)
+HEAD_TOKENS = 256
+NAMES_DENSE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
+
+MODELS: dict[str, dict[str, Any]] = {
+    "qwen2-2.5b": {"kind": "qwen2", "cfg": QWEN2["qwen2-2.5b"]},
+    "qwen2-wide": {
+        "kind": "qwen2",
+        "cfg": {
+            **QWEN2["qwen2-2.5b"],
+            "hidden_size": 4096,
+            "num_hidden_layers": 8,
+            "intermediate_size": 22016,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+        },
+    },
+    "qwen2-moe-small": {
+        "kind": "qwen2_moe",
+        "cfg": {
+            "hidden_size": 1024,
+            "num_hidden_layers": 12,
+            "intermediate_size": 2816,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "num_experts": 16,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 704,
+            "shared_expert_intermediate_size": 2816,
+            "max_position_embeddings": 8192,
+        },
+    },
+}
+TARGETS = {
+    "hidden_offload_efficiency": (">=", 0.8),
+    "ckpt_offload_peak_vs_ckpt": ("<", 0.85),
+    "ckpt_offload_overhead_vs_ckpt": ("<=", 0.05),
+    "full_offload_vs_floor": ("<=", 1.2),
+}
+
+
+def _build(name: str, device: torch.device) -> torch.nn.Module:
+    import transformers
+
+    spec = MODELS[name]
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if spec["kind"] == "qwen2":
+        cfg = transformers.Qwen2Config(**spec["cfg"], attn_implementation="sdpa", use_cache=False)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        cfg = transformers.Qwen2MoeConfig(**spec["cfg"], attn_implementation="sdpa", use_cache=False)
+        cls = transformers.Qwen2MoeForCausalLM
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.train()
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    logits = model.lm_head(hidden[:, -HEAD_TOKENS:]).float()
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _link(device: torch.device, nbytes: int = 1 << 30) -> tuple[float, float]:
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h, h2d = [], []
+    for _ in range(4):
+        for out, src, acc in ((host, dev, d2h), (dev, host, h2d)):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            acc.append(time.perf_counter() - t0)
+    del dev, host
+    return nbytes / min(d2h), nbytes / min(h2d)
+
+
+class _Torch:
+    """Baselines behind the same interface as rlmem's handles."""
+
+    def __init__(self, kind: str, model: torch.nn.Module) -> None:
+        self.kind = kind
+        self.model = model
+        self._orig: list[Any] = []
+        if kind == "ckpt":
+            from torch.utils.checkpoint import checkpoint
+
+            for layer in model.model.layers:
+                f = layer.forward
+
+                def wrapped(*a: Any, _f: Any = f, **k: Any) -> Any:
+                    return checkpoint(_f, *a, use_reentrant=False, **k)
+
+                layer.forward = wrapped
+                self._orig.append(layer)
+
+    def ctx(self) -> Any:
+        if self.kind == "save_on_cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def remove(self) -> None:
+        for layer in self._orig:
+            del layer.forward
+
+
+def _contender(name: str, model: torch.nn.Module) -> tuple[Any, Any]:
+    """(context factory, cleanup) for contender ``name``."""
+    if name in ("none", "save_on_cpu", "ckpt"):
+        t = _Torch(name, model)
+        return t.ctx, t.remove
+    assert name.startswith("rlmem:")
+    what = name.split(":", 1)[1]
+    ck = None
+    if what == "auto":
+        off = offload_activations(model, budget="auto")
+    elif what == "ckpt+off":
+        ck = rl_checkpoint(model, every=1)
+        off = _all(model)
+    elif what == "all":
+        off = _all(model)
+    else:
+        names = what.split("+")
+        if "attn_proj" in names and "core_attn" not in names:
+            names.insert(0, "core_attn")
+        off = offload_activations(model, names)
+
+    def cleanup() -> None:
+        off.remove()
+        if ck is not None:
+            ck.remove()
+
+    return (lambda: off), cleanup
+
+
+def _all(model: torch.nn.Module) -> Any:
+    from ..modmap import find_module_map
+
+    return offload_activations(model, find_module_map(model).names())
+
+
+def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch.device, steps: int) -> dict:
+    vocab = model.config.vocab_size
+    g = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, vocab, (bs, seq), device=device, generator=g)
+    labels = torch.randint(0, vocab, (bs, HEAD_TOKENS), device=device, generator=g)
+    ctx, cleanup = _contender(name, model)
+    times, fwd = [], []
+    peak = 0
+    handle = None
+    try:
+        warm = 2 if name == "rlmem:auto" else 1
+        for i in range(warm + steps):
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            c = ctx()
+            handle = c
+            with c:
+                loss = _step(model, ids, labels)
+                if name == "none":
+                    torch.cuda.synchronize(device)
+                    tf = time.perf_counter() - t0
+                loss.backward()
+            torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            if i >= warm:
+                times.append(dt)
+                peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
+                if name == "none":
+                    fwd.append(tf)
+        out: dict[str, Any] = {"step_s": median(times), "peak_bytes": peak, "loss": float(loss)}
+        if fwd:
+            out["forward_s"] = median(fwd)
+        stats = getattr(handle, "stats", None)
+        if stats is not None:
+            st = stats()
+            out["offloaded_bytes"] = st["offloaded_bytes"]
+            out["by_name"] = st["by_name"]
+            out["reloaded"] = {
+                k: st[k] for k in ("reloaded_prefetched", "reloaded_on_demand", "served_resident")
+            }
+            out["pool_bytes"] = st["pool_bytes"]
+            if getattr(handle, "plan", None) is not None:
+                out["plan"] = handle.plan.selection()
+                out["plan_report"] = str(handle.plan)
+    except torch.OutOfMemoryError:
+        out = {"error": "out of memory"}
+    finally:
+        model.zero_grad(set_to_none=True)
+        cleanup()
+        gc.collect()
+        torch.cuda.empty_cache()
+        if name == "save_on_cpu":
+            torch._C._host_emptyCache()
+    return out
+
+
+def _contenders(model_name: str, largest: bool, full: bool) -> list[str]:
+    base = ["none", "ckpt", "rlmem:all", "rlmem:auto", "rlmem:ckpt+off"]
+    if model_name.startswith("qwen2-moe"):
+        extra = ["rlmem:expert_fc1", "rlmem:moe_act"]
+    else:
+        extra = [f"rlmem:{n}" for n in NAMES_DENSE] + ["rlmem:core_attn+attn_proj+mlp_norm"]
+    names = base + (extra if (largest or full) else [])
+    return [*names, "save_on_cpu"]
+
+
+def summarize(res: dict[str, Any], link: dict[str, float]) -> dict[str, Any]:
+    main = res.get("qwen2-2.5b")
+    out: dict[str, Any] = {}
+    if not main:
+        return out
+    pts = sorted(main, key=lambda k: tuple(int(x) for x in k.split("x")))
+    big = main[pts[-1]]
+    none = big["none"]
+    d2h = link["d2h_bytes_per_s"]
+    bound = d2h * (none["forward_s"] + 0.05 * none["step_s"])
+    best = None
+    for k, v in big.items():
+        if not k.startswith("rlmem:") or "error" in v or k == "rlmem:ckpt+off":
+            continue
+        if v["step_s"] <= 1.05 * none["step_s"]:
+            cut = none["peak_bytes"] - v["peak_bytes"]
+            if best is None or cut > best[1]:
+                best = (k, cut)
+    if best is not None:
+        out["best_config_at_5pct"] = best[0]
+        out["hidden_offload_efficiency"] = best[1] / bound
+        out["best_peak_cut_at_5pct"] = best[1] / none["peak_bytes"]
+    out["link_bound_bytes"] = int(bound)
+    ck, cko = big.get("ckpt", {}), big.get("rlmem:ckpt+off", {})
+    if "peak_bytes" in ck and "peak_bytes" in cko:
+        out["ckpt_offload_peak_vs_ckpt"] = cko["peak_bytes"] / ck["peak_bytes"]
+        out["ckpt_offload_overhead_vs_ckpt"] = cko["step_s"] / ck["step_s"] - 1
+    mid = main.get("2x2048")
+    if mid and "offloaded_bytes" in mid.get("rlmem:all", {}):
+        n, a = mid["none"], mid["rlmem:all"]
+        t_fwd, t_bwd = n["forward_s"], n["step_s"] - n["forward_s"]
+        nbytes = a["offloaded_bytes"]
+        floor = max(t_fwd, nbytes / d2h) + max(t_bwd, nbytes / link["h2d_bytes_per_s"])
+        out["full_offload_vs_floor"] = a["step_s"] / floor
+        if "step_s" in mid.get("save_on_cpu", {}):
+            out["speedup_vs_save_on_cpu_full"] = mid["save_on_cpu"]["step_s"] / a["step_s"]
+    return out
+
+
+def _points(text: str) -> list[tuple[int, int]]:
+    out = []
+    for p in text.split(","):
+        b, s = p.split("x")
+        out.append((int(b), int(s)))
+    return out
+
+
+def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rlmem bench activations", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="qwen2-2.5b,qwen2-wide,qwen2-moe-small")
+    p.add_argument("--grid", default="1x2048,2x2048,2x4096,4x4096", help="bs x seq points of qwen2-2.5b")
+    p.add_argument("--grid-wide", default="2x2048,4x4096")
+    p.add_argument("--grid-moe", default="2x2048")
+    p.add_argument("--full-at", default="2x2048", help="points that also run every single name")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--machine", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--merge", action="store_true", help="keep models of an existing JSON not run now")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the activations benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    machine = args.machine or machine_name(device)
+    d2h, h2d = _link(device)
+    link = {"d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d}
+    print(f"link: D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s", flush=True)
+    grids = {"qwen2-2.5b": args.grid, "qwen2-wide": args.grid_wide, "qwen2-moe-small": args.grid_moe}
+    full = set(args.full_at.split(","))
+    res: dict[str, Any] = {}
+    weights_bytes: dict[str, int] = {}
+    rows = []
+    for mname in [m for m in args.models.split(",") if m]:
+        model = _build(mname, device)
+        weights = torch.cuda.memory_allocated(device)
+        pts = _points(grids[mname])
+        res[mname] = {}
+        for k, (bs, seq) in enumerate(pts):
+            key = f"{bs}x{seq}"
+            res[mname][key] = {}
+            for c in _contenders(mname, k == len(pts) - 1, key in full):
+                r = _measure(model, c, bs, seq, device, args.steps)
+                res[mname][key][c] = r
+                none = res[mname][key].get("none", {})
+                row = {"model": mname, "point": key, "who": c, **r}
+                if "step_s" in r and "step_s" in none:
+                    row["x_none"] = r["step_s"] / none["step_s"]
+                    row["peak_x"] = r["peak_bytes"] / none["peak_bytes"]
+                row["peak_gib"] = r.get("peak_bytes", 0) / _GiB or None
+                row["off_gib"] = r.get("offloaded_bytes", 0) / _GiB or None
+                row["ms"] = r["step_s"] * 1e3 if "step_s" in r else None
+                rows.append(row)
+                print(
+                    f"{mname} {key} {c}: "
+                    + (
+                        r["error"]
+                        if "error" in r
+                        else f"{r['step_s'] * 1e3:.1f} ms, peak {r['peak_bytes'] / _GiB:.2f} GiB"
+                    ),
+                    flush=True,
+                )
+                if "plan_report" in r:
+                    print(r["plan_report"], flush=True)
+        weights_bytes[mname] = weights
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    path = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
+    if args.merge and path and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        for m, r in old.get("results", {}).items():
+            if m not in res:
+                res[m] = r
+                weights_bytes[m] = old.get("weights_bytes", {}).get(m)
+    summary = summarize(res, link)
+    met = check_targets(summary, TARGETS)
+    cols = [
+        ("model", "model", "s"),
+        ("point", "bs x seq", "s"),
+        ("who", "contender", "s"),
+        ("ms", "step ms", ".1f"),
+        ("x_none", "x none", ".2f"),
+        ("peak_gib", "peak GiB", ".2f"),
+        ("peak_x", "peak/none", ".2f"),
+        ("off_gib", "offloaded GiB", ".2f"),
+    ]
+    print(format_table(rows, cols))
+    print(summary_lines(summary, met))
+    payload = {
+        "benchmark": NAME,
+        "machine": machine,
+        **environment(device),
+        "head_tokens": HEAD_TOKENS,
+        "models": {k: MODELS[k]["cfg"] for k in res},
+        "link": link,
+        "weights_bytes": weights_bytes,
+        "results": res,
+        "summary": summary,
+        "targets": targets_text(TARGETS),
+        "targets_met": met,
+    }
+    if path:
+        print(f"wrote {write_json(path, payload)}")
+    return 0

@@ -1,0 +1,490 @@
+"""Activation offloading and checkpointing: gradients bit-equal with and without, on the host backend and
+on a GPU, for dense and MoE models and every name; views, in-place ops, tuple outputs, races, soak."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import rlmem
+from rlmem import _actplan
+from rlmem.activations import ActivationOffloader
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", message=".*bos_token_id.*")
+
+KW = dict(
+    hidden_size=64, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+)
+DENSE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
+
+
+def make(kind: str, device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        m = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**KW, vocab_size=97, attn_implementation="sdpa")
+        )
+    elif kind == "mixtral":
+        cfg = transformers.MixtralConfig(
+            **KW, vocab_size=97, num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa"
+        )
+        m = transformers.MixtralForCausalLM(cfg)
+    elif kind == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(
+            **KW,
+            vocab_size=97,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            attn_implementation="sdpa",
+        )
+        m = transformers.Qwen2MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=97)
+        m = transformers.GPT2LMHeadModel(cfg)  # dropout on: the checkpoint must replay the RNG
+    return m.to(device).train()
+
+
+def run(model: nn.Module, ctx=None, steps: int = 1, seed: int = 5):
+    dev = next(model.parameters()).device
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1)).to(dev)
+    torch.manual_seed(seed)
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(a, b) -> None:
+    assert torch.equal(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
+
+
+CASES = [("qwen2", [n]) for n in DENSE if n != "attn_proj"] + [
+    ("qwen2", ["core_attn", "attn_proj"]),
+    ("qwen2", DENSE),
+    ("mixtral", ["expert_fc1"]),
+    ("mixtral", ["moe_act"]),
+    ("mixtral", [*DENSE, "expert_fc1", "moe_act"]),
+    ("qwen2_moe", ["expert_fc1", "moe_act"]),
+    ("gpt2", DENSE),
+]
+
+
+@pytest.mark.parametrize("kind,names", CASES, ids=[f"{k}-{'+'.join(n)}" for k, n in CASES])
+def test_gradients_bit_equal_per_name(kind, names, device):
+    ref = run(make(kind, device))
+    model = make(kind, device)
+    off = rlmem.offload_activations(model, names, min_bytes=0)
+    got = run(model, off)
+    assert_same(ref, got)
+    st = off.stats()
+    assert st["offloaded_bytes"] > 0
+    # attn_proj's input may be core_attn's output (one storage, counted once, under core_attn).
+    assert set(names) - {"attn_proj"} <= set(st["by_name"]) <= set(names)
+    used = st["reloaded_prefetched"] + st["reloaded_on_demand"] + st["served_resident"]
+    assert used >= st["offloaded_tensors"]
+
+
+def test_moe_routing_and_expert_scopes_offload_the_expert_inputs():
+    model = make("mixtral")
+    off = rlmem.offload_activations(model, ["expert_fc1"], min_bytes=0)
+    run(model, off)
+    st = off.stats()
+    # One gathered token block per expert hit per layer: the routed inputs of the first expert matmul.
+    assert st["offloaded_tensors"] >= 3
+    assert st["by_name"]["expert_fc1"] > 0
+
+
+class Views(nn.Module):
+    """Saves two views of one storage, an in-place-modified tensor, and returns a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 32)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h.mul_(1.5)  # in place before anything saves it: legal
+        a, b = h[..., :16], h[..., 16:]
+        y = a * b  # saves both views of h's storage
+        return self.out(torch.tanh(y)), a.sum()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Views() for _ in range(2)])
+
+    def forward(self, x):
+        total = 0
+        for b in self.blocks:
+            x, s = b(x)
+            total = total + s
+        return x.square().mean() + total
+
+
+MAP = rlmem.ModuleMap(layers="blocks.*", modules={"core_attn": "blocks.*"})
+
+
+def _net_grads(device, ctx=None):
+    torch.manual_seed(0)
+    net = Net().to(device)
+    x = torch.randn(4, 8, 16, device=device, requires_grad=True)
+    with ctx(net) if ctx else contextlib.nullcontext():
+        net(x).backward()
+    return [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+
+
+def test_views_in_place_and_tuple_outputs(device):
+    ref = _net_grads(device)
+    holder = {}
+
+    def ctx(net):
+        holder["off"] = rlmem.offload_activations(net, ["core_attn"], min_bytes=0, module_map=MAP)
+        return holder["off"]
+
+    got = _net_grads(device, ctx)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    st = holder["off"].stats()
+    assert st["dedup_hits"] >= 2  # a and b: one copy of h's storage per block
+
+
+def _modified_after_forward(device, ctx_fn, slow=False):
+    torch.manual_seed(0)
+    net = Net().to(device)
+    ctx = ctx_fn(net)
+    x = torch.randn(4, 8, 16, device=device, requires_grad=True)
+    h = {}
+    net.blocks[0].lin.register_forward_hook(lambda m, i, o: h.setdefault("h", o))
+    with ctx:
+        loss = net(x)
+        h["h"].add_(1.0)  # h's views were saved by a * b
+        loss.backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_in_place_change_after_save(device):
+    """Autograd refuses it; once rlmem's copy exists the copy holds the saved value, so the gradient is the
+    one of the forward pass as it ran. A change while the copy is in flight is refused (CUDA test below)."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _modified_after_forward(device, lambda net: contextlib.nullcontext())
+    ref = _net_grads(device)
+    got = _modified_after_forward(
+        device, lambda net: rlmem.offload_activations(net, ["core_attn"], min_bytes=0, module_map=MAP)
+    )
+    if device == "cpu":
+        for a, b in zip(ref, got[: len(ref)], strict=False):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_in_place_change_while_the_copy_is_in_flight_is_an_error(monkeypatch):
+    orig = ActivationOffloader._offload
+
+    def slow(self, *a, **k):
+        with torch.cuda.stream(self._d2h):
+            torch.cuda._sleep(50_000_000)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(ActivationOffloader, "_offload", slow)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _modified_after_forward(
+            "cuda", lambda net: rlmem.offload_activations(net, ["core_attn"], min_bytes=0, module_map=MAP)
+        )
+
+
+def test_backward_after_the_context_ended_is_an_error():
+    model = make("qwen2")
+    off = rlmem.offload_activations(model, DENSE, min_bytes=0)
+    ids = torch.randint(0, 97, (2, 24))
+    with off:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    with pytest.raises(RuntimeError, match="one `with` block"):
+        loss.backward()
+
+
+def test_retain_graph_second_backward_matches():
+    def twice(ctx):
+        model = make("qwen2")
+        ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+        with ctx(model) if ctx else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward(retain_graph=True)
+            loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = twice(None)
+    got = twice(lambda m: rlmem.offload_activations(m, DENSE, min_bytes=0))
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_defers_to_torch_checkpoint_hooks():
+    from torch.utils.checkpoint import checkpoint
+
+    def grads(off_names):
+        model = make("qwen2")
+        for layer in model.model.layers:
+            f = layer.forward
+            layer.forward = lambda *a, _f=f, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+        off = rlmem.offload_activations(model, off_names, min_bytes=0) if off_names else None
+        out = run(model, off)
+        return out, off
+
+    ref, _ = grads(None)
+    got, off = grads(DENSE)
+    assert_same(ref, got)
+    assert off.stats()["deferred_scopes"] > 0
+    assert off.stats()["offloaded_bytes"] == 0
+
+
+def test_min_bytes_keeps_small_tensors():
+    model = make("qwen2")
+    off = rlmem.offload_activations(model, DENSE, min_bytes=1 << 30)
+    run(model, off)
+    st = off.stats()
+    assert st["offloaded_bytes"] == 0 and st["kept_small"] > 0
+
+
+def test_disabled_handle_is_a_no_op():
+    model = make("qwen2")
+    ref = run(make("qwen2"))
+    off = rlmem.offload_activations(model, DENSE, enabled=False)
+    assert_same(ref, run(model, off))
+    assert off.stats()["offloaded_bytes"] == 0
+    assert not model.model.layers[0].input_layernorm._forward_pre_hooks
+
+
+def test_remove_detaches_hooks():
+    model = make("qwen2")
+    off = rlmem.offload_activations(model, DENSE, min_bytes=0)
+    off.remove()
+    assert not model.model.layers[0].self_attn._forward_pre_hooks
+    with off:
+        pass
+
+
+@pytest.mark.parametrize("kw", [{"every": 1}, {"every": 2}, {"layers": [1]}])
+@pytest.mark.parametrize("kind", ["qwen2", "gpt2", "mixtral"])
+def test_checkpoint_bit_equal(kind, kw, device):
+    ref = run(make(kind, device))
+    model = make(kind, device)
+    ck = rlmem.checkpoint(model, **kw)
+    assert_same(ref, run(model))
+    ck.remove()
+    assert "forward" not in model.get_submodule(_layers_path(kind))[0].__dict__
+
+
+def _layers_path(kind):
+    return "transformer.h" if kind == "gpt2" else "model.layers"
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gpt2"])
+def test_checkpoint_with_offload_offloads_inputs(kind, device):
+    ref = run(make(kind, device))
+    model = make(kind, device)
+    rlmem.checkpoint(model, every=1)
+    off = rlmem.offload_activations(model, DENSE, min_bytes=0)
+    assert_same(ref, run(model, off))
+    st = off.stats()
+    assert st["by_name"] == {"checkpoint_input": st["offloaded_bytes"]}
+    assert st["offloaded_tensors"] == 3  # one hidden state per layer
+
+
+def test_checkpoint_drops_the_kv_cache_in_training():
+    ref = run(make("qwen2"))
+    model = make("qwen2")
+    rlmem.checkpoint(model, every=1)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    with pytest.warns(UserWarning, match="KV cache"):
+        loss = model(input_ids=ids, labels=ids, use_cache=True).loss
+    loss.backward()
+    assert torch.equal(loss.detach(), ref[0])
+
+
+def test_soak_pool_and_memory_do_not_grow(device):
+    model = make("qwen2", device)
+    off = rlmem.offload_activations(model, DENSE, min_bytes=0)
+    pools, mem = [], []
+    for _ in range(200):
+        run(model, off)
+        pools.append(off.stats()["pool_bytes"])
+        if device == "cuda":
+            mem.append(torch.cuda.memory_allocated())
+    assert len(set(pools[1:])) == 1
+    if mem:
+        assert max(mem[10:]) <= mem[10]
+    assert off.stats()["totals"]["steps"] == 200
+
+
+def test_budget_auto_measures_then_offloads():
+    model = make("qwen2")
+    ref = run(make("qwen2"), steps=2)
+    off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.5)
+    assert off.names == DENSE
+    first = run(model, off)
+    assert off.stats()["offloaded_bytes"] == 0 and off.plan is not None
+    got = run(model, off)
+    assert_same(ref, got)
+    assert first[0] == got[0]
+    plan = off.plan
+    assert "budget=auto" in str(plan) and plan.reasons
+    assert off.stats()["offloaded_bytes"] == plan.offload_bytes > 0
+
+
+def test_budget_bytes_offloads_until_it_fits():
+    model = make("qwen2")
+    off = rlmem.offload_activations(model, budget=1, min_bytes=0, max_overhead=0.0)
+    run(model, off)
+    run(model, off)
+    plan = off.plan
+    assert plan.offload_bytes == sum(c.nbytes for c in plan.candidates)
+    assert any("budget" in r for r in plan.reasons)
+
+
+def test_plan_queue_respects_the_link():
+    c = [_actplan.Candidate("core_attn", i, 100, produced_s=i * 1.0) for i in range(4)]
+    # 100 bytes/s: each copy takes 1 s; the forward pass ends at 4 s: layers 0-3 drain at 1, 2, 3, 4 s.
+    link = dict(d2h_bytes_per_s=100.0, forward_s=3.5, step_s=10.0, activation_bytes=400, max_overhead=0)
+    plan = _actplan.choose(c, budget="auto", **link)
+    assert [x.layer for x in plan.chosen] == [0, 1, 2]
+    assert plan.expected_overhead_s == 0
+    fits = _actplan.choose(c, budget=350, **link)
+    assert [x.layer for x in fits.chosen] == [0]  # 50 bytes needed: the first hidden copy is enough
+    over = _actplan.choose(c, budget=50, **link)
+    assert len(over.chosen) == 4 and over.expected_overhead_s == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"modules": []}, "must not be empty"),
+        ({"modules": ["mlp"]}, "valid names: attn_norm, qkv_linear, core_attn"),
+        ({"modules": ["attn_proj"]}, "'attn_proj' requires 'core_attn'"),
+        ({"modules": ["expert_fc1"]}, "Qwen2ForCausalLM has no expert_fc1"),
+        ({"modules": "core_attn"}, "list of names"),
+        ({"modules": None}, "must list at least one"),
+        ({"modules": DENSE, "min_bytes": -1}, "min_bytes"),
+        ({"modules": DENSE, "budget": "lots"}, "budget"),
+        ({"modules": DENSE, "budget": 0}, "budget"),
+        ({"modules": DENSE, "max_overhead": 1.5}, "max_overhead"),
+    ],
+)
+def test_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rlmem.offload_activations(make("qwen2"), **kwargs)
+
+
+def test_unknown_model_names_its_class():
+    with pytest.raises(ValueError, match="Sequential: no decoder layers"):
+        rlmem.offload_activations(nn.Sequential(nn.Linear(2, 2)), ["core_attn"])
+    with pytest.raises(ValueError, match="matched no module"):
+        rlmem.ModuleMap  # noqa: B018
+        rlmem.offload_activations(
+            Net(), ["core_attn"], module_map=rlmem.ModuleMap(layers="nope.*", modules={})
+        )
+    with pytest.raises(ValueError, match="unknown name"):
+        rlmem.ModuleMap(layers="blocks.*", modules={"mlp": "x"})
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({}, "exactly one"),
+        ({"every": 1, "layers": [0]}, "exactly one"),
+        ({"every": 0}, "every must be"),
+        ({"layers": [7]}, r"not layer indices of Qwen2ForCausalLM \(0..2\)"),
+        ({"layers": [1, 1]}, "repeated"),
+    ],
+)
+def test_checkpoint_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rlmem.checkpoint(make("qwen2"), **kwargs)
+
+
+def test_checkpoint_twice_is_refused():
+    model = make("qwen2")
+    rlmem.checkpoint(model, layers=[0])
+    with pytest.raises(ValueError, match="already checkpointed"):
+        rlmem.checkpoint(model, every=1)
+
+
+@pytest.mark.cuda
+def test_forced_stream_races_give_equal_gradients(monkeypatch):
+    """Copies delayed on their streams (a device-side sleep queued first) must still be waited for."""
+    ref = run(make("qwen2", "cuda"), steps=2)
+    orig_off, orig_re = ActivationOffloader._offload, ActivationOffloader._reload
+
+    def slow_off(self, *a, **k):
+        with torch.cuda.stream(self._d2h):
+            torch.cuda._sleep(2_000_000)
+        return orig_off(self, *a, **k)
+
+    def slow_re(self, e):
+        with torch.cuda.stream(self._h2d):
+            torch.cuda._sleep(2_000_000)
+        return orig_re(self, e)
+
+    monkeypatch.setattr(ActivationOffloader, "_offload", slow_off)
+    monkeypatch.setattr(ActivationOffloader, "_reload", slow_re)
+    model = make("qwen2", "cuda")
+    off = rlmem.offload_activations(model, DENSE, min_bytes=0)
+    assert_same(ref, run(model, off, steps=2))
+    assert off.stats()["reloaded_bytes"] > 0
+
+
+@pytest.mark.cuda
+def test_device_memory_is_freed_during_forward():
+    model = make("qwen2", "cuda")
+    ids = torch.randint(0, 97, (8, 512), device="cuda")
+
+    def fwd_mem(ctx):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        with ctx:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            torch.cuda.synchronize()
+            if isinstance(ctx, ActivationOffloader):
+                ctx._poll()
+            held = torch.cuda.memory_allocated() - base
+            loss.backward()
+        return held
+
+    plain = fwd_mem(contextlib.nullcontext())
+    off = rlmem.offload_activations(model, DENSE, min_bytes=0)
+    fwd_mem(off)
+    held = fwd_mem(off)
+    assert held <= plain - 0.8 * off.stats()["offloaded_bytes"]
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_is_refused():
+    model = make("qwen2", "cuda")
+    off = rlmem.offload_activations(model, DENSE, min_bytes=0)
+    ids = torch.randint(0, 97, (2, 24), device="cuda")
+    run(model)  # warm up kernels outside the capture
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with (
+        torch.cuda.stream(s),
+        pytest.raises(RuntimeError, match="CUDA graph"),
+        torch.cuda.graph(g, stream=s),
+        off,
+    ):
+        model(input_ids=ids, use_cache=False)
