@@ -326,10 +326,8 @@ class ActivationOffloader:
             if self._by_storage and type(t) is torch.Tensor and t.device == self.device:
                 # Saved again outside the chosen modules (a norm's output is also the MLP's input): share
                 # the copy, or the device storage would stay referenced and offloading would free nothing.
-                storage = t.untyped_storage()
-                e = self._by_storage.get(storage.data_ptr())
-                if e is not None and e.storage() is storage and e.version == t._version:
-                    self._step["dedup_hits"] += 1
+                e = self._shared(t, t.untyped_storage())
+                if e is not None:
                     e.refs += 1
                     return _Packed(e, t, self._gen)
             return _Kept(t)
@@ -357,15 +355,20 @@ class ActivationOffloader:
             return _Kept(t)
         if self._selected is not None and scope not in self._selected:
             return _Kept(t)
-        key = storage.data_ptr()
-        e = self._by_storage.get(key)
-        if e is not None and e.storage() is storage and e.version == t._version:
-            self._step["dedup_hits"] += 1
-        else:
+        e = self._shared(t, storage)
+        if e is None:
             e = self._offload(t, storage, nbytes, scope)
-            self._by_storage[key] = e
+            self._by_storage[storage.data_ptr()] = e
         e.refs += 1
         return _Packed(e, t, self._gen)
+
+    def _shared(self, t: torch.Tensor, storage: Any) -> _Entry | None:
+        """The entry already holding ``t``'s storage, unchanged since it was copied, if any."""
+        e = self._by_storage.get(storage.data_ptr())
+        if e is not None and e.storage() is storage and e.version == t._version:
+            self._step["dedup_hits"] += 1
+            return e
+        return None
 
     def _offload(self, t: torch.Tensor, storage: Any, nbytes: int, scope: tuple[str, int]) -> _Entry:
         assert self._pool is not None
