@@ -36,6 +36,7 @@ class OffloadPlan:
     activation_bytes: int
     allowance_s: float
     finish_s: float
+    stall_s: float = 0.0
     reasons: list[str] = field(default_factory=list)
 
     @property
@@ -49,8 +50,8 @@ class OffloadPlan:
 
     @property
     def expected_overhead_s(self) -> float:
-        """Seconds the step is expected to wait for copies (0 when everything hides)."""
-        return max(0.0, self.finish_s - self.forward_s)
+        """Seconds the compute is expected to wait for copies (0 when everything hides)."""
+        return self.stall_s
 
     def selection(self) -> dict[str, list[int]]:
         """Chosen layers per name."""
@@ -90,11 +91,38 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out) if xs else "none"
 
 
+# A name whose saved tensor was first saved by another name's module: offloading it without that one
+# would copy a storage the other still holds on the device (attn_proj's input is core_attn's output).
+REQUIRES = {"attn_proj": "core_attn"}
+
+
+def _allowed(c: Candidate, chosen: list[Candidate]) -> bool:
+    need = REQUIRES.get(c.name)
+    return need is None or any(x.name == need and x.layer == c.layer for x in chosen)
+
+
 def _drain(items: list[Candidate], rate: float) -> float:
     t = 0.0
     for c in sorted(items, key=lambda c: c.produced_s):
         t = max(t, c.produced_s) + c.nbytes / rate
     return t
+
+
+def _stall(items: list[Candidate], rate: float, layer_starts: dict[int, float], lag: int) -> float:
+    """Seconds the compute waits in total: at the start of layer j it waits for the copies of layers
+    <= j - lag (how the offloader frees them). A wait delays everything produced after it."""
+    events = [(t, 0, j, None) for j, t in layer_starts.items()]
+    events += [(c.produced_s, 1, c.layer, c) for c in items]
+    shift = link = 0.0
+    done: dict[int, float] = {}
+    for t, _kind, j, c in sorted(events, key=lambda e: (e[0], e[1])):
+        if c is None:
+            need = max((v for g, v in done.items() if g <= j - lag), default=0.0)
+            shift += max(0.0, need - (t + shift))
+        else:
+            link = max(link, t + shift) + c.nbytes / rate
+            done[j] = max(done.get(j, 0.0), link)
+    return shift
 
 
 def choose(
@@ -106,28 +134,49 @@ def choose(
     step_s: float,
     activation_bytes: int,
     max_overhead: float,
+    layer_starts: dict[int, float] | None = None,
+    lag: int = 2,
 ) -> OffloadPlan:
     """Pick candidates so that copies hide under the forward pass (``budget="auto"``), or so that at most
     ``budget`` bytes of activations stay on the device, hiding as much as possible.
+
+    A candidate hides if the copy queue still drains by the end of the forward pass plus the allowance
+    (a copy ending later does not lower the peak) and the compute's waits for copies, ``lag`` layers
+    behind (``layer_starts``: seconds from step start per layer; derived from the candidates if absent),
+    stay within the allowance.
     """
     assert d2h_bytes_per_s > 0 and forward_s >= 0
     allowance = max_overhead * step_s
     deadline = forward_s + allowance
+    if layer_starts is None:
+        layer_starts = {}
+        for c in candidates:
+            layer_starts[c.layer] = min(layer_starts.get(c.layer, c.produced_s), c.produced_s)
     order = sorted(candidates, key=lambda c: (c.layer, c.produced_s, -c.nbytes))
     chosen: list[Candidate] = []
     reasons: list[str] = []
-    skipped = 0
+    late = stalled = 0
     for c in order:
-        if _drain([*chosen, c], d2h_bytes_per_s) <= deadline:
-            chosen.append(c)
+        trial = [*chosen, c]
+        if not _allowed(c, chosen):
+            continue
+        if _drain(trial, d2h_bytes_per_s) > deadline:
+            late += 1
+        elif _stall(trial, d2h_bytes_per_s, layer_starts, lag) > allowance:
+            stalled += 1
         else:
-            skipped += 1
-    if skipped:
+            chosen.append(c)
+    if late:
         reasons.append(
-            f"{skipped} of {len(order)} candidates left on the device: their copies would end after the "
+            f"{late} of {len(order)} candidates left on the device: their copies would end after the "
             "forward pass plus the allowed overhead"
         )
-    else:
+    if stalled:
+        reasons.append(
+            f"{stalled} of {len(order)} candidates left on the device: the compute would wait more than the "
+            f"allowed overhead for copies {lag} layers behind"
+        )
+    if not late and not stalled:
         reasons.append("every candidate's copy hides under the forward pass")
     if budget != "auto":
         assert isinstance(budget, int)
@@ -137,7 +186,7 @@ def choose(
             for c in order:
                 if have >= need:
                     break
-                if c not in chosen:
+                if c not in chosen and _allowed(c, chosen):
                     chosen.append(c)
                     have += c.nbytes
             reasons.append(
@@ -162,6 +211,7 @@ def choose(
                 "nothing more is offloaded"
             )
     finish = _drain(chosen, d2h_bytes_per_s) if chosen else 0.0
+    stall = _stall(chosen, d2h_bytes_per_s, layer_starts, lag) if chosen else 0.0
     return OffloadPlan(
         budget=str(budget),
         chosen=chosen,
@@ -172,5 +222,6 @@ def choose(
         activation_bytes=activation_bytes,
         allowance_s=allowance,
         finish_s=finish,
+        stall_s=stall,
         reasons=reasons,
     )

@@ -44,6 +44,9 @@ __all__ = ["ActivationOffloader", "CHECKPOINT_INPUT", "current", "offload_activa
 log = logging.getLogger("rlmem")
 
 CHECKPOINT_INPUT = "checkpoint_input"
+# At the start of layer i, the compute stream waits for the copies of layers <= i - RELEASE_LAG and their
+# device memory is freed: one layer of compute to hide each layer's copies behind.
+RELEASE_LAG = 2
 _tls = threading.local()
 
 
@@ -228,9 +231,8 @@ class ActivationOffloader:
                     self._hook(t, name)
                 elif id(t.module) in inside and t.param is None:
                     self._hook(t, None)
-        if self._measure is not None:
-            for i, (_, layer) in enumerate(self.layer_map.layers):
-                self._hooks.append(layer.register_forward_pre_hook(self._layer_start(i)))
+        for i, (_, layer) in enumerate(self.layer_map.layers):
+            self._hooks.append(layer.register_forward_pre_hook(self._layer_start(i)))
 
     def _hook(self, t: Target, name: str | None) -> None:
         layer = t.layer
@@ -268,8 +270,12 @@ class ActivationOffloader:
 
     def _layer_start(self, i: int):  # type: ignore[no-untyped-def]
         def pre(mod: nn.Module, args: Any) -> None:
-            if self._live() and i not in self._times.setdefault("layers", {}):
+            if not self._live():
+                return
+            if self._measure is not None and i not in self._times.setdefault("layers", {}):
                 self._times["layers"][i] = self._mark()
+            if self._inflight and self._cuda:
+                self._release_through(i - RELEASE_LAG)
 
         return pre
 
@@ -322,7 +328,7 @@ class ActivationOffloader:
         if self._inflight:
             self._poll()  # every saved tensor, not only chosen ones: later layers may offload nothing
         scope = self._scope[-1] if self._scope else None
-        if scope is None:
+        if scope is None or (self._selected is not None and scope not in self._selected):
             if self._by_storage and type(t) is torch.Tensor and t.device == self.device:
                 # Saved again outside the chosen modules (a norm's output is also the MLP's input): share
                 # the copy, or the device storage would stay referenced and offloading would free nothing.
@@ -352,8 +358,6 @@ class ActivationOffloader:
                 rec[0] += nbytes
                 if rec[1] is None:
                     rec[1] = self._mark()
-            return _Kept(t)
-        if self._selected is not None and scope not in self._selected:
             return _Kept(t)
         e = self._shared(t, storage)
         if e is None:
@@ -400,6 +404,32 @@ class ActivationOffloader:
         st["by_name"][name] = st["by_name"].get(name, 0) + nbytes
         return e
 
+    def _release_through(self, group: int) -> None:
+        """Free the device copies of layers <= ``group`` in stream order: the compute stream waits for their
+        copies, so what it allocates next may reuse the memory.
+
+        The caching allocator counts memory in the order the host issues work, and the host runs ahead of
+        the device: a copy the host has not yet seen complete cannot be freed by polling, however early the
+        device finished it. Waiting in stream order frees it on time; it stalls the compute only if the
+        copies fall more than ``RELEASE_LAG`` layers behind, which the budget mode avoids.
+        """
+        q = self._inflight
+        n = 0
+        while n < len(q) and q[n].group <= group:
+            n += 1
+        if not n:
+            return
+        done = q[n - 1].d2h_done
+        assert done is not None
+        # One wait covers them all (the copies run in order on one stream), enqueued before the memory
+        # goes back to the allocator.
+        torch.cuda.current_stream(self.device).wait_event(done)
+        for _ in range(n):
+            e = q.popleft()
+            if e.dev is not None and e.dev._version != e.version:
+                e.modified = True  # changed in place while its copy was in flight
+            e.dev = None
+
     def _poll(self) -> None:
         q = self._inflight
         while q and q[0].d2h_done is not None and q[0].d2h_done.query():
@@ -410,9 +440,7 @@ class ActivationOffloader:
 
     def _unpack(self, p: Any) -> torch.Tensor:
         if "backward_start" not in self._times and self._active:
-            self._times["backward_start"] = self._mark()
-            if self._cuda:
-                self._times["alloc_end"] = torch.cuda.memory_allocated(self.device)
+            self._backward_started()
         if isinstance(p, _Kept):
             if p.tensor._version != p.version:
                 raise _version_error()
@@ -439,6 +467,21 @@ class ActivationOffloader:
         if e.refs <= 0:
             self._drop(e)
         return out
+
+    def _backward_started(self) -> None:
+        # Where the forward pass left the offloaded bytes: still on the device because the copy had not
+        # completed, or released by rlmem but kept alive by another reference (then offloading frees nothing).
+        self._times["backward_start"] = self._mark()
+        if self._inflight:
+            self._poll()
+        st = self._step
+        for e in self._entries:
+            if e.dev is not None:
+                st["copying_at_backward_bytes"] += e.nbytes
+            elif e.storage() is not None:
+                st["held_elsewhere_bytes"] += e.nbytes
+        if self._cuda:
+            self._times["alloc_end"] = st["allocated_at_backward"] = torch.cuda.memory_allocated(self.device)
 
     def _device_copy(self, e: _Entry) -> torch.Tensor:
         st = self._step
@@ -584,6 +627,9 @@ class ActivationOffloader:
             "reloaded_on_demand": 0,
             "served_resident": 0,
             "deferred_scopes": 0,
+            "copying_at_backward_bytes": 0,
+            "held_elsewhere_bytes": 0,
+            "allocated_at_backward": 0,
             "pool_bytes": 0,
             "pool_peak_bytes": 0,
         }
@@ -620,8 +666,11 @@ class ActivationOffloader:
         act = max(0, int(times.get("alloc_end", 0) - times["alloc_start"])) or total if self._cuda else total
         rate = self._link_rate(max(min(total, 512 << 20), 1 << 20))
         budget = self.budget if self.budget == "auto" else int(self.budget)  # type: ignore[arg-type]
+        layer_starts = {i: self._elapsed(start, t) for i, t in times.get("layers", {}).items()}
         plan = _actplan.choose(
             cands,
+            layer_starts=layer_starts or None,
+            lag=RELEASE_LAG,
             budget=budget,
             d2h_bytes_per_s=rate,
             forward_s=forward_s,
@@ -663,6 +712,10 @@ class ActivationOffloader:
         """Figures of the last step (bytes offloaded in total and per name, storages shared by several saved
         views, tensors kept as too small or not activations, bytes reloaded and how: prefetched, on demand,
         or still on the device; host pool bytes) and totals over all steps.
+
+        When backward starts: ``copying_at_backward_bytes`` are offloaded storages whose copy had not
+        completed (still on the device), ``held_elsewhere_bytes`` those rlmem released but something else
+        still references (offloading them freed nothing), ``allocated_at_backward`` the device bytes then.
         """
         out = dict(self._step)
         out["by_name"] = dict(self._step["by_name"])

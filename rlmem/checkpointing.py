@@ -93,8 +93,13 @@ def _checkpointed(forward: Any, layer: nn.Module, index: int, args: tuple, kwarg
         # graph (its output would not require grad): run the layer plainly.
         return forward(*args, **kwargs)
 
+    inputs = [flat[i] for i in where]
+    # The closure outlives the forward pass (backward replays it): it must not hold the input tensors,
+    # or offloading the saved inputs would free nothing.
+    skeleton = [None if isinstance(x, torch.Tensor) else x for x in flat]
+
     def run(*tensors: torch.Tensor) -> Any:
-        full = list(flat)
+        full = list(skeleton)
         for i, t in zip(where, tensors, strict=False):
             full[i] = t
         a, k = tree_unflatten(full, spec)
@@ -108,7 +113,8 @@ def _checkpointed(forward: Any, layer: nn.Module, index: int, args: tuple, kwarg
         else contextlib.nullcontext()
     )
     with scope:
-        outs = _CheckpointFn.apply(run, holder, *[flat[i] for i in where])
+        outs = _CheckpointFn.apply(run, holder, *inputs)
+    del inputs, flat
     it = iter(outs)
     full = [next(it) if x is _SLOT else x for x in holder["flat"]]
     return tree_unflatten(full, holder["spec"])

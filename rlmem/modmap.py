@@ -41,8 +41,9 @@ class Target:
 
 @dataclass(frozen=True, kw_only=True)
 class ModuleMap:
-    """Module-path patterns (``fnmatch`` globs over ``model.named_modules()`` paths) for a model rlmem
-    does not recognise.
+    """Module-path patterns for a model rlmem does not recognise: ``fnmatch`` globs matched one path
+    component at a time over ``model.named_modules()`` paths (``*`` never crosses a ``.``, so
+    ``"blocks.*"`` matches ``blocks.3`` and not ``blocks.3.attn``).
 
     Args:
         layers: pattern of the decoder layers, e.g. ``"model.layers.*"``; a layer's index is the first
@@ -221,13 +222,13 @@ def find_module_map(model: nn.Module, module_map: ModuleMap | None = None) -> La
             hidden = hidden or h
         return LayerMap(cls, layers, targets, hidden)
     named = list(model.named_modules())
-    layers = [(p, m) for p, m in named if fnmatch.fnmatchcase(p, module_map.layers)]
+    layers = [(p, m) for p, m in named if _match(p, module_map.layers)]
     if not layers:
         raise ValueError(f"{cls}: ModuleMap.layers pattern {module_map.layers!r} matched no module")
     index = {p: i for i, (p, _) in enumerate(layers)}
     for name, pats in module_map.modules.items():
         for pat in [pats] if isinstance(pats, str) else pats:
-            hits = [(p, m) for p, m in named if fnmatch.fnmatchcase(p, pat)]
+            hits = [(p, m) for p, m in named if _match(p, pat)]
             if not hits:
                 raise ValueError(f"{cls}: ModuleMap.modules[{name!r}] pattern {pat!r} matched no module")
             for p, m in hits:
@@ -237,3 +238,10 @@ def find_module_map(model: nn.Module, module_map: ModuleMap | None = None) -> La
                     layer = int(found.group(1)) if found else 0
                 targets.setdefault(name, []).append(Target(name, layer, p, m))
     return LayerMap(cls, layers, targets, hidden)
+
+
+def _match(path: str, pattern: str) -> bool:
+    parts, pats = path.split("."), pattern.split(".")
+    if len(parts) != len(pats):
+        return False
+    return all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats, strict=True))

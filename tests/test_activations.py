@@ -95,6 +95,7 @@ def test_gradients_bit_equal_per_name(kind, names, device):
     assert set(names) - {"attn_proj"} <= set(st["by_name"]) <= set(names)
     used = st["reloaded_prefetched"] + st["reloaded_on_demand"] + st["served_resident"]
     assert used >= st["offloaded_tensors"]
+    assert st["held_elsewhere_bytes"] == 0  # every offloaded storage was really let go on the device
 
 
 def test_moe_routing_and_expert_scopes_offload_the_expert_inputs():
@@ -303,6 +304,7 @@ def test_checkpoint_with_offload_offloads_inputs(kind, device):
     st = off.stats()
     assert st["by_name"] == {"checkpoint_input": st["offloaded_bytes"]}
     assert st["offloaded_tensors"] == 3  # one hidden state per layer
+    assert st["held_elsewhere_bytes"] == 0  # nothing else (the replay closure) keeps the inputs
 
 
 def test_checkpoint_drops_the_kv_cache_in_training():
@@ -367,7 +369,45 @@ def test_plan_queue_respects_the_link():
     fits = _actplan.choose(c, budget=350, **link)
     assert [x.layer for x in fits.chosen] == [0]  # 50 bytes needed: the first hidden copy is enough
     over = _actplan.choose(c, budget=50, **link)
-    assert len(over.chosen) == 4 and over.expected_overhead_s == pytest.approx(0.5)
+    # Layer 3's copy ends after the forward pass: it lowers no peak, but no layer start waits for it.
+    assert len(over.chosen) == 4 and over.expected_overhead_s == 0
+
+
+def test_plan_takes_attn_proj_only_with_core_attn():
+    # attn_proj's input is core_attn's output: alone it would copy a storage core_attn keeps on the device.
+    c = [
+        _actplan.Candidate("core_attn", 0, 1000, produced_s=0.0),
+        _actplan.Candidate("attn_proj", 0, 10, produced_s=0.1),
+        _actplan.Candidate("attn_proj", 1, 10, produced_s=1.1),
+    ]
+    link = dict(d2h_bytes_per_s=100.0, forward_s=5.0, step_s=10.0, activation_bytes=1020, max_overhead=0)
+    plan = _actplan.choose(c, budget="auto", **link)
+    assert plan.chosen == []  # core_attn 0 cannot hide (10 s), so neither attn_proj may go
+    over = _actplan.choose(c, budget=10, **link)
+    assert [(x.name, x.layer) for x in over.chosen] == [("core_attn", 0), ("attn_proj", 0)]
+
+
+def test_unchosen_scopes_share_what_chosen_ones_offloaded():
+    model = make("qwen2")
+    off = rlmem.offload_activations(model, DENSE, min_bytes=0)
+    # What the budget mode may pick: core_attn of a layer without its attn_proj, which then saves
+    # core_attn's output again.
+    off._selected = {(n, layer) for n in ("attn_norm", "core_attn", "mlp_norm") for layer in range(3)}
+    assert_same(run(make("qwen2")), run(model, off))
+    assert off.stats()["held_elsewhere_bytes"] == 0
+
+
+def test_plan_models_the_waits_two_layers_behind():
+    c = [_actplan.Candidate("core_attn", i, 100, produced_s=i * 1.0) for i in range(4)]
+    # 50 bytes/s: each copy takes 2 s. Layer 3 starts at 3 s and waits for layer 1's copy (2 -> 4 s): 1 s.
+    link = dict(d2h_bytes_per_s=50.0, forward_s=10.0, step_s=10.0, activation_bytes=400)
+    plan = _actplan.choose(c, budget="auto", max_overhead=0, **link)
+    assert [x.layer for x in plan.chosen] == [0, 2, 3]
+    assert any("wait" in r for r in plan.reasons)
+    assert _actplan._stall(c[:2], 50.0, {i: float(i) for i in range(4)}, 2) == pytest.approx(1.0)
+    lenient = _actplan.choose(c, budget="auto", max_overhead=0.1, **link)
+    assert [x.layer for x in lenient.chosen] == [0, 1, 2, 3]
+    assert lenient.expected_overhead_s == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(
@@ -394,12 +434,19 @@ def test_unknown_model_names_its_class():
     with pytest.raises(ValueError, match="Sequential: no decoder layers"):
         rlmem.offload_activations(nn.Sequential(nn.Linear(2, 2)), ["core_attn"])
     with pytest.raises(ValueError, match="matched no module"):
-        rlmem.ModuleMap  # noqa: B018
         rlmem.offload_activations(
             Net(), ["core_attn"], module_map=rlmem.ModuleMap(layers="nope.*", modules={})
         )
     with pytest.raises(ValueError, match="unknown name"):
         rlmem.ModuleMap(layers="blocks.*", modules={"mlp": "x"})
+
+
+def test_module_map_globs_match_one_path_component():
+    from rlmem.modmap import find_module_map
+
+    lm = find_module_map(Net(), MAP)
+    assert [p for p, _ in lm.layers] == ["blocks.0", "blocks.1"]  # not blocks.0.lin
+    assert [(t.layer, t.path) for t in lm.targets["core_attn"]] == [(0, "blocks.0"), (1, "blocks.1")]
 
 
 @pytest.mark.parametrize(
@@ -471,6 +518,42 @@ def test_device_memory_is_freed_during_forward():
     fwd_mem(off)
     held = fwd_mem(off)
     assert held <= plain - 0.8 * off.stats()["offloaded_bytes"]
+
+
+@pytest.mark.cuda
+def test_memory_is_freed_in_stream_order_while_the_host_runs_ahead():
+    """The allocator counts in host order and the host runs ahead of the device: copies must be released
+    by stream-ordered waits, not when the host happens to see them complete."""
+    from rlmem.activations import RELEASE_LAG
+
+    layers = 6
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**{**KW, "num_hidden_layers": layers}, vocab_size=97)
+    model = transformers.Qwen2ForCausalLM(cfg).cuda().train()
+    ids = torch.randint(0, 97, (8, 512), device="cuda")
+
+    def forward_held(ctx):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda._sleep(500_000_000)  # the device starts late: the host issues the whole forward first
+        with ctx:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            held = torch.cuda.memory_allocated() - base  # no sync: what the allocator sees now
+            loss.backward()
+        torch.cuda.synchronize()
+        return held
+
+    plain = forward_held(contextlib.nullcontext())
+    off = rlmem.offload_activations(model, ["core_attn"], min_bytes=0)
+    forward_held(off)
+    held = forward_held(off)
+    st = off.stats()
+    per_layer = st["offloaded_bytes"] / layers
+    assert st["offloaded_bytes"] > 0
+    assert st["copying_at_backward_bytes"] <= RELEASE_LAG * per_layer
+    assert st["held_elsewhere_bytes"] == 0
+    assert held <= plain - (layers - RELEASE_LAG) * per_layer
 
 
 @pytest.mark.cuda

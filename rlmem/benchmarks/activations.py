@@ -207,7 +207,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
     labels = torch.randint(0, vocab, (bs, HEAD_TOKENS), device=device, generator=g)
     ctx, cleanup = _contender(name, model)
     times, fwd = [], []
-    peak = 0
+    peak = peak_fwd = 0
     handle = None
     try:
         warm = 2 if name == "rlmem:auto" else 1
@@ -222,6 +222,8 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
             handle = c
             with c:
                 loss = _step(model, ids, labels)
+                # The allocator's counters are kept on the host: no sync needed to read them.
+                fwd_peak = torch.cuda.max_memory_allocated(device) - base
                 if name == "none":
                     torch.cuda.synchronize(device)
                     tf = time.perf_counter() - t0
@@ -231,9 +233,15 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
             if i >= warm:
                 times.append(dt)
                 peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
+                peak_fwd = max(peak_fwd, fwd_peak)
                 if name == "none":
                     fwd.append(tf)
-        out: dict[str, Any] = {"step_s": median(times), "peak_bytes": peak, "loss": float(loss)}
+        out: dict[str, Any] = {
+            "step_s": median(times),
+            "peak_bytes": peak,
+            "forward_peak_bytes": peak_fwd,
+            "loss": float(loss),
+        }
         if fwd:
             out["forward_s"] = median(fwd)
         stats = getattr(handle, "stats", None)
@@ -245,6 +253,9 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
                 k: st[k] for k in ("reloaded_prefetched", "reloaded_on_demand", "served_resident")
             }
             out["pool_bytes"] = st["pool_bytes"]
+            for k in ("copying_at_backward_bytes", "held_elsewhere_bytes"):
+                out[k] = st[k]
+            out["allocated_at_backward"] = st["allocated_at_backward"] - base
             if getattr(handle, "plan", None) is not None:
                 out["plan"] = handle.plan.selection()
                 out["plan_report"] = str(handle.plan)
@@ -324,6 +335,7 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
     p.add_argument("--grid-wide", default="2x2048,4x4096")
     p.add_argument("--grid-moe", default="2x2048")
     p.add_argument("--full-at", default="2x2048", help="points that also run every single name")
+    p.add_argument("--only", default="", help="run only these contenders (comma-separated), for diagnosis")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--machine", default=None)
     p.add_argument("--json", default=None)
@@ -350,7 +362,8 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         for k, (bs, seq) in enumerate(pts):
             key = f"{bs}x{seq}"
             res[mname][key] = {}
-            for c in _contenders(mname, k == len(pts) - 1, key in full):
+            only = [c for c in args.only.split(",") if c]
+            for c in only or _contenders(mname, k == len(pts) - 1, key in full):
                 r = _measure(model, c, bs, seq, device, args.steps)
                 res[mname][key][c] = r
                 none = res[mname][key].get("none", {})
@@ -371,6 +384,18 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
                     ),
                     flush=True,
                 )
+                if "held_elsewhere_bytes" in r:
+                    print(
+                        "  forward peak {:.2f} GiB, at backward {:.2f} GiB; offloaded {:.2f} GiB, of which "
+                        "still copying {:.2f} GiB, held elsewhere {:.2f} GiB".format(
+                            r["forward_peak_bytes"] / _GiB,
+                            r["allocated_at_backward"] / _GiB,
+                            r["offloaded_bytes"] / _GiB,
+                            r["copying_at_backward_bytes"] / _GiB,
+                            r["held_elsewhere_bytes"] / _GiB,
+                        ),
+                        flush=True,
+                    )
                 if "plan_report" in r:
                     print(r["plan_report"], flush=True)
         weights_bytes[mname] = weights
