@@ -194,18 +194,28 @@ def test_in_place_change_after_save(device):
 
 @pytest.mark.cuda
 def test_in_place_change_while_the_copy_is_in_flight_is_an_error(monkeypatch):
+    torch.manual_seed(0)
+    net = Net().cuda()
+    off = rlmem.offload_activations(net, ["core_attn"], min_bytes=0, module_map=MAP)
+    x = torch.randn(4, 8, 16, device="cuda", requires_grad=True)
+    with off:
+        net(x).backward()  # warm: the host pool exists, so the next step allocates nothing pinned
     orig = ActivationOffloader._offload
 
     def slow(self, *a, **k):
         with torch.cuda.stream(self._d2h):
-            torch.cuda._sleep(50_000_000)
+            torch.cuda._sleep(1_000_000_000)  # about half a second before each copy
         return orig(self, *a, **k)
 
     monkeypatch.setattr(ActivationOffloader, "_offload", slow)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        _modified_after_forward(
-            "cuda", lambda net: rlmem.offload_activations(net, ["core_attn"], min_bytes=0, module_map=MAP)
-        )
+    h = {}
+    net.blocks[0].lin.register_forward_hook(lambda m, i, o: h.setdefault("h", o))
+    with off:
+        loss = net(x)
+        assert off._inflight, "the copies should still be in flight"
+        h["h"].add_(1.0)  # h's views were saved by a * b and are being copied
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
 
 
 def test_backward_after_the_context_ended_is_an_error():
