@@ -403,6 +403,8 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         gc.collect()
         torch.cuda.empty_cache()
     path = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
+    # The link rates each model's figures were measured with (ratios count only within one run).
+    model_links = {m: link for m in res}
     if args.merge and path and os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
@@ -410,7 +412,8 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
             if m not in res:
                 res[m] = r
                 weights_bytes[m] = old.get("weights_bytes", {}).get(m)
-    summary = summarize(res, link)
+                model_links[m] = old.get("model_links", {}).get(m, old["link"])
+    summary = summarize(res, model_links.get("qwen2-2.5b", link))
     met = check_targets(summary, TARGETS)
     cols = [
         ("model", "model", "s"),
@@ -431,6 +434,7 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         "head_tokens": HEAD_TOKENS,
         "models": {k: MODELS[k]["cfg"] for k in res},
         "link": link,
+        "model_links": model_links,
         "weights_bytes": weights_bytes,
         "results": res,
         "summary": summary,
