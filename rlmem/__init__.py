@@ -13,8 +13,10 @@ Public API:
     checkpoint, CheckpointHandle: activation checkpointing of chosen decoder layers (inputs offloaded when
         combined with offload_activations).
     ModuleMap: module-path patterns for models whose layout rlmem does not recognise.
+    comm: suspend(), resume(), memory_stats() of NCCL communicator memory, keeping the process groups.
 """
 
+from . import comm
 from ._pinned import host_memory_held
 from .activations import ActivationOffloader, offload_activations
 from .checkpointing import CheckpointHandle, checkpoint
@@ -46,6 +48,7 @@ __all__ = [
     "TrainState",
     "__version__",
     "checkpoint",
+    "comm",
     "host_memory_held",
     "offload_activations",
 ]

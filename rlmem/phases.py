@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from . import comm
 from .state import TrainState, check_policy
 
 __all__ = ["Engine", "OffloadConfig", "PhaseManager"]
@@ -45,6 +46,9 @@ class OffloadConfig:
             engine can take the activations' memory too.
         reserve_backups: allocate the pinned host backups in the background as soon as the state is adopted,
             so the first switch runs at link speed.
+        comms: ``"keep"`` (default) or ``"suspend"``: the train phase's NCCL communicators give their GPU
+            memory back during rollout (:func:`rlmem.comm.suspend`; every rank switches phases together).
+            The groups are ``PhaseManager(comm_groups=...)``, by default every NCCL group of the process.
 
     Raises:
         ValueError: a field has a value outside those listed; the message names the field.
@@ -57,8 +61,11 @@ class OffloadConfig:
     buffers: str = "keep"
     empty_cache: bool = True
     reserve_backups: bool = True
+    comms: str = "keep"
 
     def __post_init__(self) -> None:
+        if self.comms not in ("keep", "suspend"):
+            raise ValueError(f"OffloadConfig.comms must be 'keep' or 'suspend', got {self.comms!r}")
         for f in ("offload_during_rollout", "empty_cache", "reserve_backups"):
             v = getattr(self, f)
             if not isinstance(v, bool):
@@ -82,6 +89,8 @@ class PhaseManager:
         model: the policy being trained.
         optimizer: its optimizer (or None).
         config: an :class:`OffloadConfig`; default: disabled.
+        comm_groups: with ``config.comms="suspend"``, the process groups to suspend during rollout (a list);
+            default: every NCCL group of this process (then the rollout engine must not use NCCL groups).
 
     Example:
         >>> pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True))
@@ -98,11 +107,14 @@ class PhaseManager:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         config: OffloadConfig | None = None,
+        *,
+        comm_groups: list[Any] | None = None,
     ) -> None:
         config = OffloadConfig() if config is None else config
         if not isinstance(config, OffloadConfig):
             raise ValueError(f"config must be an OffloadConfig, got {type(config).__name__}")
         self.config = config
+        self.comm_groups = None if comm_groups is None else list(comm_groups)
         self.engines: list[Any] = []
         self.phase: str | None = None
         self.state: TrainState | None = None
@@ -140,6 +152,8 @@ class PhaseManager:
             assert self.state is not None
             self.state.offload(**self.config.policies(), blocking=True)
             self._reloading = False
+            if self.config.comms == "suspend":
+                self._switches["comm_suspend"] = comm.suspend(self.comm_groups)
             if self.config.empty_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
             for e in self.engines:
@@ -156,6 +170,8 @@ class PhaseManager:
         t0 = time.perf_counter()
         for e in self.engines:
             e.sleep()
+        if self.config.comms == "suspend":
+            self._switches["comm_resume"] = comm.resume(self.comm_groups)
         assert self.state is not None
         self.state.reload(blocking=False)
         self._reloading = True

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|comm] [args...]
+# comm (2 GPUs): tests/test_comm.py and bench/comm.py; with a newer libnccl assembled by scripts/nccl_parts.sh
+# (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # bench-grpo passes its args to bench/grpo_colocated.py (e.g. --parts big-offload --merge);
 # bench-act passes its args to bench/activations.py (e.g. --models qwen2-wide).
 # Carry .whl (torch_memory_saver 0.0.10) for the phase_switch comparison; see README.
@@ -63,6 +65,15 @@ if [[ $what == all || $what == bench || $what == bench-act ]]; then
   [[ $what == bench-act ]] && extra=("$@")
   python3 bench/activations.py --machine "$name" --json "$OUT/activations-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_activations.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == comm ]]; then
+  lib=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}/libnccl.so.2
+  [[ -f $lib ]] && export LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}"
+  python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())' 2>&1 | tee "$OUT/comm_nccl.txt"
+  python3 -m pytest -q -rs tests/test_comm.py "$@" 2>&1 | tee "$OUT/tests_comm.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  python3 bench/comm.py --machine "$name" --json "$OUT/comm-$name.json" 2>&1 | tee "$OUT/bench_comm.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 exit $status

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Delivers a newer libnccl (nvidia-nccl-cu13, with ncclCommSuspend) to the GPU machine, whose transfers take at
+# most 64 MiB per call: the library is compressed, split into parts under .nccl/ (git-ignored), sent one part per
+# call while the machine is held, and reassembled there. torch then loads it in place of its bundled NCCL through
+# LD_PRELOAD, set before torch starts (scripts/gpu_check.sh does it when the library is there).
+#
+#   here:            scripts/nccl_parts.sh prepare [VERSION]      # .nccl/part.0 ... part.N and libnccl.sha256
+#   GPU, per part:   scripts/nccl_parts.sh receive               # carry ".nccl/part.K" (and .nccl/libnccl.sha256)
+#   GPU, at the end: scripts/nccl_parts.sh assemble              # /tmp/rlmem-nccl/libnccl.so.2, checked
+#   GPU:             LD_PRELOAD=/tmp/rlmem-nccl/libnccl.so.2 python3 -c 'import torch; print(torch.cuda.nccl.version())'
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEST=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}
+PART_BYTES=54000000  # the repository and the part together stay under 64 MiB
+case "${1:-}" in
+  prepare)
+    version=${2:-2.32.3}
+    work=$(mktemp -d)
+    python3 -m pip download -q --no-deps "nvidia-nccl-cu13==$version" -d "$work"
+    (cd "$work" && python3 -m zipfile -e ./*.whl x)
+    lib=$(find "$work/x" -name 'libnccl.so.2' | head -1)
+    rm -rf .nccl && mkdir -p .nccl
+    sha256sum "$lib" | cut -d' ' -f1 > .nccl/libnccl.sha256
+    xz -T0 -6 -c "$lib" | split -b "$PART_BYTES" -d -a 1 - .nccl/part.
+    rm -rf "$work"
+    ls -l .nccl
+    ;;
+  receive)
+    mkdir -p "$DEST"
+    for p in .nccl/part.* .nccl/libnccl.sha256; do
+      [[ -f $p ]] && cp "$p" "$DEST/"
+    done
+    ls -l "$DEST"
+    ;;
+  assemble)
+    cat "$DEST"/part.* | xz -d > "$DEST/libnccl.so.2.tmp"
+    want=$(cat "$DEST/libnccl.sha256")
+    got=$(sha256sum "$DEST/libnccl.so.2.tmp" | cut -d' ' -f1)
+    [[ $want == "$got" ]] || { echo "checksum mismatch: $got, want $want" >&2; exit 1; }
+    mv "$DEST/libnccl.so.2.tmp" "$DEST/libnccl.so.2"
+    rm -f "$DEST"/part.*
+    LD_PRELOAD="$DEST/libnccl.so.2" python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())'
+    ;;
+  *)
+    echo "usage: $0 prepare [VERSION] | receive | assemble" >&2
+    exit 2
+    ;;
+esac

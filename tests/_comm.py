@@ -1,0 +1,199 @@
+"""Two ranks exercising rlmem.comm; each rank writes what it observed to OUT.rank<N>.json.
+
+host: Gloo groups on CPU with a host-only driver standing in for NCCL (the state machine, the guard, group
+      resolution, errors and PhaseManager wiring run for real; the driver counts suspends and simulates freed
+      bytes).
+cuda: NCCL groups on two GPUs with the real binding (the libnccl torch loaded).
+
+Run in a fresh process: python tests/_comm.py host|cuda CYCLES OUT
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import rlmem
+from rlmem import _nccl, comm
+
+MiB = 1 << 20
+
+
+class HostDriver:
+    """Stands in for NCCL on Gloo groups: a communicator per group name, 8 MiB suspendable each."""
+
+    can_suspend = True
+    describe = "host stand-in"
+
+    def __init__(self) -> None:
+        self.state: dict[int, bool] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.fail_async: set[int] = set()
+        self.names: dict[int, str] = {}
+
+    def handles(self, pg):
+        return "gloo" in str(dist.get_backend(pg))
+
+    def comm(self, pg):
+        c = abs(hash(pg.group_name)) % (1 << 40) + 1
+        self.names[c] = pg.group_name
+        self.state.setdefault(c, False)
+        return c
+
+    def sync(self):
+        pass
+
+    def free_bytes(self):
+        return (1 << 30) + 8 * MiB * sum(self.state.values())
+
+    def async_error(self, c):
+        return 7 if c in self.fail_async else 0
+
+    def suspend(self, c):
+        assert not self.state[c], "suspended twice"
+        self.state[c] = True
+        self.calls.append(("suspend", self.names[c]))
+
+    def resume(self, c):
+        assert self.state[c], "resumed while active"
+        self.state[c] = False
+        self.calls.append(("resume", self.names[c]))
+
+    def mem_stat(self, c, stat):
+        return {
+            _nccl.STAT_SUSPEND: 8 * MiB,
+            _nccl.STAT_PERSIST: MiB,
+            _nccl.STAT_TOTAL: 9 * MiB,
+            _nccl.STAT_SUSPENDED: int(self.state[c]),
+        }[stat]
+
+
+def check_collectives(rank: int, world: int, groups: list, device: str) -> None:
+    for g in groups:
+        n = dist.get_world_size(g)
+        t = torch.full((1000,), float(rank + 1), device=device)
+        dist.all_reduce(t, group=g)
+        ranks = dist.get_process_group_ranks(g)
+        assert torch.equal(t, torch.full_like(t, float(sum(r + 1 for r in ranks)))), "all_reduce"
+        out = torch.empty(n * 1000, device=device)
+        dist.all_gather_into_tensor(out, torch.full((1000,), float(rank), device=device), group=g)
+        want = torch.cat([torch.full((1000,), float(r), device=device) for r in ranks])
+        assert torch.equal(out, want), "all_gather"
+
+
+def expect_error(fn, exc, match: str) -> str:
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"expected {exc.__name__}")
+
+
+def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    res: dict = {"rank": rank}
+    if mode == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        device = f"cuda:{rank}"
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        device = "cpu"
+        comm._driver = HostDriver()
+    original = dist.ProcessGroup.__dict__["allreduce"]
+    try:
+        # TP/DP-like splits of two ranks: the world, one group per rank, and a second world-sized group.
+        singles = [dist.new_group([r]) for r in range(world)]
+        mine = singles[rank]
+        pair = dist.new_group(list(range(world)))
+        world_pg = dist.group.WORLD
+        groups = [world_pg, mine, pair]
+        check_collectives(rank, world, groups, device)
+        if mode == "cuda":
+            drv = comm._get_driver()
+            res["nccl"] = drv.describe
+            if not drv.can_suspend:
+                res["no_suspend_error"] = expect_error(comm.suspend, RuntimeError, "needs NCCL >=")
+                return
+        else:
+            res["errors"] = [
+                expect_error(lambda: comm.suspend("world"), ValueError, "group must be"),
+                expect_error(lambda: comm.suspend([world_pg, 3]), ValueError, "group must be"),
+            ]
+            comm._driver.fail_async.add(comm._driver.comm(pair))
+            res["errors"].append(expect_error(lambda: comm.suspend(groups), RuntimeError, "pending"))
+            assert comm.suspended() == [] and not any(comm._driver.state.values()), "a failed suspend freed"
+            comm._driver.fail_async.clear()
+        stats0 = comm.memory_stats()
+        res["groups"] = sorted(stats0)
+        res["suspendable"] = {k: v.get("suspendable_bytes") for k, v in stats0.items()}
+        res["cycles"] = []
+        for i in range(cycles):
+            free0 = torch.cuda.mem_get_info()[0] if mode == "cuda" else None
+            s = comm.suspend()
+            again = comm.suspend()  # idempotent: nothing left to suspend
+            assert again["groups"] == [], again
+            st = comm.memory_stats()
+            assert all(v["suspended"] for v in st.values()), st
+            if i == 0:
+                res["guard"] = expect_error(
+                    lambda: dist.all_reduce(torch.ones(4, device=device), group=pair),
+                    comm.GroupSuspendedError,
+                    "suspended",
+                )
+                expect_error(lambda: dist.barrier(), comm.GroupSuspendedError, "suspended")
+            free1 = torch.cuda.mem_get_info()[0] if mode == "cuda" else None
+            r = comm.resume()
+            assert comm.suspended() == [] and comm.resume()["groups"] == []
+            check_collectives(rank, world, groups, device)
+            res["cycles"].append(
+                {
+                    "suspend_s": s["seconds"],
+                    "resume_s": r["seconds"],
+                    "freed_bytes": s["freed_bytes"],
+                    "taken_bytes": r["taken_bytes"],
+                    "free_rise": None if free0 is None else free1 - free0,
+                }
+            )
+        res["methods_restored"] = dist.ProcessGroup.__dict__["allreduce"] is original
+        res["guard_removed"] = comm._originals == {}
+        # PhaseManager: the train phase's groups sleep during rollout.
+        model = torch.nn.Linear(8, 8, device=device)
+        pm = rlmem.PhaseManager(
+            model, None, rlmem.OffloadConfig(offload_during_rollout=True, comms="suspend"), comm_groups=[pair]
+        )
+        with pm.rollout():
+            res["rollout_suspended"] = comm.suspended()
+            expect_error(lambda: dist.all_reduce(torch.ones(2, device=device), group=pair), RuntimeError, "")
+            dist.all_reduce(torch.ones(2, device=device), group=mine)  # not a train group: still works
+        with pm.train():
+            res["train_suspended"] = comm.suspended()
+            check_collectives(rank, world, [pair], device)
+        res["stats"] = comm.memory_stats(pair)
+        if mode != "cuda":
+            calls = comm._driver.calls
+            res["calls_head"] = calls[:4]
+    finally:
+        with open(f"{out}.rank{rank}.json", "w") as f:
+            json.dump(res, f, default=str)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, cycles, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    mp.spawn(worker, args=(2, mode, cycles, port, out), nprocs=2, join=True)
+    print(f"done in {time.perf_counter() - t0:.1f} s")
