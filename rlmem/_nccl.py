@@ -28,8 +28,33 @@ def version_string(code: int) -> str:
     return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def _global_path() -> str | None:
+    # The copy whose symbols the process binds to (an LD_PRELOAD'ed one wins over torch's bundled one, even
+    # when both are mapped): where the global scope's ncclGetVersion lives.
+    try:
+        fn = ctypes.CDLL(None).ncclGetVersion
+        info = _DlInfo()
+        if ctypes.CDLL(None).dladdr(ctypes.cast(fn, ctypes.c_void_p), ctypes.byref(info)) and info.dli_fname:
+            return os.path.realpath(info.dli_fname.decode())
+    except (AttributeError, OSError):
+        return None
+    return None
+
+
 def loaded_path() -> str | None:
-    """Path of the libnccl mapped into this process, if any."""
+    """Path of the libnccl this process uses, if any."""
+    found = _global_path()
+    if found is not None:
+        return found
     try:
         with open("/proc/self/maps") as f:
             for line in f:
