@@ -805,8 +805,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _config.load(GRPOConfig, args.config, overrides)
     except ValueError as e:
         p.error(str(e))
+    done = False
     try:
         run(cfg)
+        done = True
     except ValueError as e:
         print(f"rlmem train: error: {e}", file=sys.stderr)
         return 2
@@ -819,5 +821,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     finally:
         if dist.is_initialized():
+            if done:
+                # Every rank finished: meet before tearing the group down, or one rank's teardown can
+                # race another's last traffic (seen as an abort at exit on Gloo).
+                dist.barrier()
             dist.destroy_process_group()
     return 0
