@@ -425,18 +425,19 @@ class ActivationOffloader:
         # goes back to the allocator.
         torch.cuda.current_stream(self.device).wait_event(done)
         for _ in range(n):
-            e = q.popleft()
-            if e.dev is not None and e.dev._version != e.version:
-                e.modified = True  # changed in place while its copy was in flight
-            e.dev = None
+            self._copied(q.popleft())
 
     def _poll(self) -> None:
         q = self._inflight
         while q and q[0].d2h_done is not None and q[0].d2h_done.query():
-            e = q.popleft()
-            if e.dev is not None and e.dev._version != e.version:
-                e.modified = True  # changed in place while its copy was in flight
-            e.dev = None
+            self._copied(q.popleft())
+
+    @staticmethod
+    def _copied(e: _Entry) -> None:
+        """Let go of the device storage of an entry whose copy is done (or waited for)."""
+        if e.dev is not None and e.dev._version != e.version:
+            e.modified = True  # changed in place while its copy was in flight
+        e.dev = None
 
     def _unpack(self, p: Any) -> torch.Tensor:
         if "backward_start" not in self._times and self._active:
@@ -481,7 +482,7 @@ class ActivationOffloader:
             elif e.storage() is not None:
                 st["held_elsewhere_bytes"] += e.nbytes
         if self._cuda:
-            self._times["alloc_end"] = st["allocated_at_backward"] = torch.cuda.memory_allocated(self.device)
+            st["allocated_at_backward"] = torch.cuda.memory_allocated(self.device)
 
     def _device_copy(self, e: _Entry) -> torch.Tensor:
         st = self._step
@@ -663,7 +664,8 @@ class ActivationOffloader:
             for (name, layer), (nbytes, t0) in measured.items()
         ]
         total = sum(c.nbytes for c in cands)
-        act = max(0, int(times.get("alloc_end", 0) - times["alloc_start"])) or total if self._cuda else total
+        at_backward = self._step["allocated_at_backward"]
+        act = max(0, int(at_backward - times["alloc_start"])) or total if self._cuda else total
         rate = self._link_rate(max(min(total, 512 << 20), 1 << 20))
         budget = self.budget if self.budget == "auto" else int(self.budget)  # type: ignore[arg-type]
         layer_starts = {i: self._elapsed(start, t) for i, t in times.get("layers", {}).items()}
