@@ -14,6 +14,14 @@ C++ (functional collectives, compiled graphs) are not intercepted: suspend only 
 
 NCCL tracks (and so releases) its memory only with ``NCCL_CUMEM_ENABLE`` on, NCCL's default; with it off,
 suspend frees nothing and rlmem warns.
+
+Where the loaded NCCL has no suspend API (older than 2.29.7), or with ``method="rebuild"``, ``suspend`` falls
+back to destroying the group's communicators and ``resume`` builds them again (a :class:`CommFallbackWarning`
+says how long that took and which NCCL would do better). torch cannot put a new backend under an existing
+``ProcessGroup``, so the rebuilt communicators live in a new group object with the same rank, size and name,
+and the object the program holds forwards its methods (collectives, ``_get_backend``, ``shutdown``) to it:
+code that calls ``torch.distributed`` with the group it holds keeps working; C++ code that looks groups up by
+name (functional collectives) does not see the rebuilt communicators.
 """
 
 from __future__ import annotations
@@ -26,14 +34,20 @@ from typing import Any
 
 import torch
 
-from . import _nccl
+from . import _comm_rebuild, _nccl
 
-__all__ = ["GroupSuspendedError", "memory_stats", "resume", "suspend", "suspended"]
+__all__ = ["CommFallbackWarning", "GroupSuspendedError", "memory_stats", "resume", "suspend", "suspended"]
 
 _lock = threading.RLock()
 _suspended: dict[str, Any] = {}  # group name -> the group, while suspended
+_method: dict[str, str] = {}  # group name -> "suspend" or "rebuild", while suspended
+# id(group the program holds) -> (that group, the group object carrying its rebuilt communicators)
+_current: dict[int, tuple[Any, Any]] = {}
+_generation: dict[str, int] = {}
+_warned: set[str] = set()
 _stats: dict[str, dict[str, Any]] = {}
 _originals: dict[str, Any] = {}
+METHODS = ("auto", "suspend", "rebuild")
 # ProcessGroup methods that torch.distributed's Python API calls for each collective and point-to-point op.
 _GUARDED = (
     "allreduce",
@@ -56,11 +70,30 @@ _GUARDED = (
     "send",
     "recv",
     "recv_anysource",
+    "all_gather_single",
+    "all_gather_single_coalesced",
+    "all_to_all_single",
+    "reduce_scatter_single",
+    "reduce_scatter_single_coalesced",
+)
+# Also forwarded to a rebuilt group, never refused: what torch.distributed asks of a group besides
+# collectives.
+_FORWARDED = (
+    "_get_backend",
+    "_start_coalescing",
+    "_end_coalescing",
+    "_wait_for_pending_works",
+    "shutdown",
+    "abort",
 )
 
 
 class GroupSuspendedError(RuntimeError):
     """A collective was called on a process group whose communicators rlmem.comm suspended."""
+
+
+class CommFallbackWarning(UserWarning):
+    """rlmem.comm destroyed and rebuilt communicators because the loaded NCCL cannot suspend them."""
 
 
 class _Driver:
@@ -112,6 +145,33 @@ class _Driver:
     def mem_stat(self, comm: int, stat: int) -> int:
         return self.nccl.mem_stat(comm, stat)
 
+    # The rebuild fallback.
+    @property
+    def backend_type(self) -> Any:
+        import torch.distributed as dist
+
+        return dist.ProcessGroup.BackendType.NCCL
+
+    def is_comm(self, backend: Any) -> bool:
+        return type(backend).__name__ == "ProcessGroupNCCL"
+
+    def destroy(self, backend: Any) -> None:
+        backend.shutdown()  # flushes, joins torch's watchdog, destroys the communicators
+
+    def new_backend(self, store: Any, rank: int, size: int, old: Any) -> Any:
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        prev = getattr(old, "options", None)
+        # Not split_from: the parent's communicators may be the ones just destroyed.
+        for field in ("is_high_priority_stream", "_timeout", "global_ranks_in_group", "group_name"):
+            if prev is not None and hasattr(prev, field):
+                setattr(opts, field, getattr(prev, field))
+        return ProcessGroupNCCL(store, rank, size, opts)
+
+    def connect(self, backend: Any) -> None:
+        backend.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+
 
 _driver: Any = None
 
@@ -157,40 +217,82 @@ def _resolve(group: Any, drv: Any) -> list[Any]:
     return list(out.values())
 
 
-def _guard(name: str, orig: Any) -> Any:
-    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _suspended and self.group_name in _suspended:
-            raise GroupSuspendedError(
-                f"process group {self.group_name!r} is suspended by rlmem.comm.suspend(); its collective "
-                f"{name!r} cannot run until every rank calls rlmem.comm.resume() for it"
-            )
-        return orig(self, *args, **kwargs)
+def _now(pg: Any) -> Any:
+    """The group object carrying ``pg``'s communicators (``pg`` itself unless rebuilt)."""
+    entry = _current.get(id(pg))
+    return pg if entry is None else entry[1]
 
-    guarded.__name__ = name
-    guarded.__doc__ = getattr(orig, "__doc__", None)
-    return guarded
+
+def _raw(name: str) -> Any:
+    import torch.distributed as dist
+
+    return _originals.get(name) or dist.ProcessGroup.__dict__[name]
+
+
+def _wrap(name: str, orig: Any) -> Any:
+    refuse = name in _GUARDED
+    ends = name in ("shutdown", "abort")
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gname = self.group_name
+        if gname in _suspended:
+            if refuse:
+                raise GroupSuspendedError(
+                    f"process group {gname!r} is suspended by rlmem.comm.suspend(); its collective "
+                    f"{name!r} cannot run until every rank calls rlmem.comm.resume() for it"
+                )
+            if ends and _method.get(gname) == "rebuild":
+                # Its communicators are destroyed already; shutting them down again is not safe.
+                _forget(self)
+                return None
+        entry = _current.get(id(self))
+        try:
+            return orig(self if entry is None else entry[1], *args, **kwargs)
+        finally:
+            if ends and entry is not None:
+                _forget(self)
+
+    method.__name__ = name
+    method.__doc__ = getattr(orig, "__doc__", None)
+    return method
 
 
 def _install_guard() -> None:
-    # Only while a group is suspended: with nothing suspended, torch's methods are untouched.
+    # Only while a group is suspended or rebuilt: otherwise torch's methods are untouched.
     import torch.distributed as dist
 
     if _originals:
         return
     cls = dist.ProcessGroup
-    for name in _GUARDED:
+    for name in _GUARDED + _FORWARDED:
         orig = cls.__dict__.get(name)
         if orig is not None:
             _originals[name] = orig
-            setattr(cls, name, _guard(name, orig))
+            setattr(cls, name, _wrap(name, orig))
 
 
 def _remove_guard() -> None:
     import torch.distributed as dist
 
+    if _suspended or _current:
+        return
     for name, orig in _originals.items():
         setattr(dist.ProcessGroup, name, orig)
     _originals.clear()
+
+
+def _forget(pg: Any) -> None:
+    # The program shut ``pg`` down: nothing of it is suspended or forwarded any more.
+    _current.pop(id(pg), None)
+    _suspended.pop(pg.group_name, None)
+    _method.pop(pg.group_name, None)
+    _remove_guard()
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(message, CommFallbackWarning, stacklevel=3)
 
 
 def _record(name: str) -> dict[str, Any]:
@@ -206,35 +308,44 @@ def suspended() -> list[str]:
         return list(_suspended)
 
 
-def suspend(group: Any = None) -> dict[str, Any]:
+def suspend(group: Any = None, *, method: str = "auto") -> dict[str, Any]:
     """Release the GPU memory of the NCCL communicators of ``group``, keeping the process groups.
 
     Args:
         group: a ``torch.distributed`` process group, a list of them, or ``None`` for every NCCL group of
             this process. Every rank of each group must call this too, with the same groups in the same order.
+        method: ``"auto"`` (NCCL's suspend where the loaded NCCL has it, else the rebuild fallback),
+            ``"suspend"`` (NCCL's suspend or an error) or ``"rebuild"`` (destroy the communicators now and
+            build them again on resume).
 
     Returns:
-        ``{"groups": [...], "seconds": s, "freed_bytes": n}`` for this call (device free memory before and
-        after; groups already suspended are skipped).
+        ``{"groups": [...], "method": m, "seconds": s, "freed_bytes": n}`` for this call (device free memory
+        before and after; groups already suspended are skipped).
 
     Raises:
-        ValueError: ``group`` is not a process group, a list of them or None; or a group is not NCCL.
+        ValueError: ``group`` is not a process group, a list of them or None; a group is not NCCL; ``method``
+            is not one of ``"auto"``, ``"suspend"``, ``"rebuild"``.
         RuntimeError: torch.distributed is not initialised; a group's communicator does not exist yet or
-            reports pending or failed work; the loaded NCCL has no suspend API (older than 2.29.7).
+            reports pending or failed work (nothing is released then); ``method="suspend"`` and the loaded
+            NCCL has no suspend API (older than 2.29.7).
     """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}; got {method!r}")
     with _lock:
         _initialized()
         drv = _get_driver()
         todo = [g for g in _resolve(group, drv) if g.group_name not in _suspended]
+        use = method if method != "auto" else ("suspend" if drv.can_suspend else "rebuild")
         if not todo:
-            return {"groups": [], "seconds": 0.0, "freed_bytes": 0}
-        if not drv.can_suspend:
+            return {"groups": [], "method": use, "seconds": 0.0, "freed_bytes": 0}
+        if use == "suspend" and not drv.can_suspend:
             raise RuntimeError(
                 f"rlmem.comm.suspend needs NCCL >= {_nccl.version_string(_nccl.SUSPEND_VERSION)} for "
                 f"ncclCommSuspend; this process loaded {drv.describe}. Load a newer libnccl before torch "
-                "initialises NCCL (LD_PRELOAD=/path/libnccl.so.2), e.g. from the nvidia-nccl-cu13 wheel"
+                "initialises NCCL (LD_PRELOAD=/path/libnccl.so.2), e.g. from the nvidia-nccl-cu13 wheel, or "
+                "use method='rebuild'"
             )
-        if os.environ.get("NCCL_CUMEM_ENABLE", "").strip() == "0":
+        if use == "suspend" and os.environ.get("NCCL_CUMEM_ENABLE", "").strip() == "0":
             warnings.warn(
                 "NCCL_CUMEM_ENABLE=0: NCCL does not track its memory, so suspending frees nothing; unset it "
                 "(NCCL's default is on) for rlmem.comm.suspend to give memory back",
@@ -244,7 +355,7 @@ def suspend(group: Any = None) -> dict[str, Any]:
         drv.sync()  # what this rank queued on these groups has run
         comms = []
         for g in todo:
-            c = drv.comm(g)
+            c = drv.comm(_now(g))
             err = drv.async_error(c)
             if err != 0:
                 raise RuntimeError(
@@ -257,18 +368,25 @@ def suspend(group: Any = None) -> dict[str, Any]:
         try:
             for g, c in zip(todo, comms, strict=True):
                 before = drv.free_bytes()
-                suspendable = drv.mem_stat(c, _nccl.STAT_SUSPEND)
                 ts = time.perf_counter()
-                drv.suspend(c)
+                if use == "suspend":
+                    suspendable = drv.mem_stat(c, _nccl.STAT_SUSPEND)
+                    drv.suspend(c)
+                else:
+                    for b in _comm_rebuild.comm_backends(_now(g), drv, _raw("_get_backend")):
+                        drv.destroy(b)
                 rec = _record(g.group_name)
                 rec["last_suspend_s"] = time.perf_counter() - ts
                 rec["freed_bytes"] = max(0, drv.free_bytes() - before)
-                rec["suspendable_bytes"] = suspendable
+                rec["method"] = use
+                if use == "suspend":
+                    rec["suspendable_bytes"] = suspendable
                 rec["suspends"] += 1
                 freed += rec["freed_bytes"]
                 _suspended[g.group_name] = g
+                _method[g.group_name] = use
                 done.append(g.group_name)
-                if drv.mem_stat(c, _nccl.STAT_TOTAL) == 0:
+                if use == "suspend" and drv.mem_stat(c, _nccl.STAT_TOTAL) == 0:
                     warnings.warn(
                         f"NCCL tracks no memory for group {g.group_name!r}: NCCL_CUMEM_ENABLE is probably "
                         "off, so suspending it freed nothing",
@@ -277,11 +395,23 @@ def suspend(group: Any = None) -> dict[str, Any]:
         finally:
             if _suspended:
                 _install_guard()
-        return {"groups": done, "seconds": time.perf_counter() - t0, "freed_bytes": freed}
+        seconds = time.perf_counter() - t0
+        if use == "rebuild" and not drv.can_suspend:
+            _warn_once(
+                "suspend",
+                f"rlmem.comm: {drv.describe} cannot suspend communicators (NCCL >= "
+                f"{_nccl.version_string(_nccl.SUSPEND_VERSION)} can); destroyed those of "
+                f"{len(done)} group(s) instead in {seconds:.3f} s, freeing {freed / 2**20:.1f} MiB; resume() "
+                "builds them again",
+            )
+        return {"groups": done, "method": use, "seconds": seconds, "freed_bytes": freed}
 
 
 def resume(group: Any = None) -> dict[str, Any]:
-    """Bring back the communicator memory of suspended groups (every rank of each group calls it too).
+    """Bring back the communicators of suspended groups (every rank of each group calls it too).
+
+    Groups suspended by NCCL's suspend are resumed in place; groups whose communicators were destroyed (the
+    rebuild fallback) get new ones, and the group objects the program holds forward to them.
 
     Args:
         group: as for :func:`suspend`; groups that are not suspended are skipped.
@@ -299,28 +429,44 @@ def resume(group: Any = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         taken = 0
         done: list[str] = []
+        rebuilt = 0
         try:
             for g in todo:
-                c = drv.comm(g)
+                name = g.group_name
                 before = drv.free_bytes()
                 ts = time.perf_counter()
-                drv.resume(c)
-                rec = _record(g.group_name)
+                if _method[name] == "suspend":
+                    drv.resume(drv.comm(_now(g)))
+                else:
+                    gen = _generation.get(name, 0) + 1
+                    new = _comm_rebuild.rebuild(g, _now(g), gen, drv, _raw("_get_backend"))
+                    _generation[name] = gen
+                    _current[id(g)] = (g, new)
+                    rebuilt += 1
+                rec = _record(name)
                 rec["last_resume_s"] = time.perf_counter() - ts
                 rec["resumes"] += 1
                 taken += max(0, before - drv.free_bytes())
-                del _suspended[g.group_name]
-                done.append(g.group_name)
+                del _suspended[name]
+                del _method[name]
+                done.append(name)
         finally:
-            if not _suspended:
-                _remove_guard()
-        return {"groups": done, "seconds": time.perf_counter() - t0, "taken_bytes": taken}
+            _remove_guard()
+        seconds = time.perf_counter() - t0
+        if rebuilt and not drv.can_suspend:
+            _warn_once(
+                "resume",
+                f"rlmem.comm: rebuilt the communicators of {rebuilt} group(s) in {seconds:.3f} s; "
+                f"{drv.describe} cannot suspend them, NCCL >= {_nccl.version_string(_nccl.SUSPEND_VERSION)} "
+                "resumes them in place (load it with LD_PRELOAD before torch initialises NCCL)",
+            )
+        return {"groups": done, "seconds": seconds, "taken_bytes": taken}
 
 
 def memory_stats(group: Any = None) -> dict[str, dict[str, Any]]:
-    """Per group name: NCCL's own figures (``suspendable_bytes``, ``persistent_bytes``, ``total_bytes``,
-    ``suspended``) and rlmem's (suspend/resume counts, seconds of the last calls, device bytes freed by the
-    last suspend).
+    """Per group name: NCCL's own figures where the loaded NCCL reports them (``suspendable_bytes``,
+    ``persistent_bytes``, ``total_bytes``), ``suspended``, and rlmem's (``method`` of the last suspend,
+    suspend/resume counts, seconds of the last calls, device bytes freed by the last suspend, ``rebuilds``).
 
     Raises:
         ValueError, RuntimeError: as for :func:`suspend`.
@@ -330,13 +476,15 @@ def memory_stats(group: Any = None) -> dict[str, dict[str, Any]]:
         drv = _get_driver()
         out: dict[str, dict[str, Any]] = {}
         for g in _resolve(group, drv):
-            entry: dict[str, Any] = {"suspended": g.group_name in _suspended, "nccl": drv.describe}
-            if drv.can_suspend:
-                c = drv.comm(g)
+            name = g.group_name
+            entry: dict[str, Any] = {"suspended": name in _suspended, "nccl": drv.describe}
+            if drv.can_suspend and _method.get(name) != "rebuild":
+                c = drv.comm(_now(g))
                 entry["suspendable_bytes"] = drv.mem_stat(c, _nccl.STAT_SUSPEND)
                 entry["persistent_bytes"] = drv.mem_stat(c, _nccl.STAT_PERSIST)
                 entry["total_bytes"] = drv.mem_stat(c, _nccl.STAT_TOTAL)
                 entry["suspended"] = bool(drv.mem_stat(c, _nccl.STAT_SUSPENDED))
-            entry.update(_stats.get(g.group_name, {}))
-            out[g.group_name] = entry
+            entry.update(_stats.get(name, {}))
+            entry["rebuilds"] = _generation.get(name, 0)
+            out[name] = entry
         return out

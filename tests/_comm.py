@@ -1,11 +1,16 @@
 """Two ranks exercising rlmem.comm; each rank writes what it observed to OUT.rank<N>.json.
 
-host: Gloo groups on CPU with a host-only driver standing in for NCCL (the state machine, the guard, group
-      resolution, errors and PhaseManager wiring run for real; the driver counts suspends and simulates freed
-      bytes).
-cuda: NCCL groups on two GPUs with the real binding (the libnccl torch loaded).
+host:         Gloo groups on CPU with a host-only driver standing in for NCCL (the state machine, the guard,
+              group resolution, errors and PhaseManager wiring run for real; the driver counts suspends and
+              simulates freed bytes).
+host-rebuild: the same driver without a suspend API, so rlmem.comm falls back to destroying the groups' Gloo
+              backends and building new ones: the collectives after each resume run on the rebuilt backends,
+              reached through the group objects the program holds.
+cuda:         NCCL groups on two GPUs with the real binding (the libnccl torch loaded): NCCL's suspend where
+              that NCCL has it, the rebuild fallback where it does not.
+cuda-rebuild: NCCL groups with the rebuild fallback forced (method="rebuild").
 
-Run in a fresh process: python tests/_comm.py host|cuda CYCLES OUT
+Run in a fresh process: python tests/_comm.py MODE CYCLES OUT
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,10 +37,13 @@ MiB = 1 << 20
 class HostDriver:
     """Stands in for NCCL on Gloo groups: a communicator per group name, 8 MiB suspendable each."""
 
-    can_suspend = True
     describe = "host stand-in"
 
-    def __init__(self) -> None:
+    def __init__(self, can_suspend: bool = True) -> None:
+        self.can_suspend = can_suspend
+        self.backend_type = dist.ProcessGroup.BackendType.GLOO
+        self.destroyed: list = []  # Gloo backends destroyed by the fallback (kept, so identity holds)
+        self.created = 0
         self.state: dict[int, bool] = {}
         self.calls: list[tuple[str, str]] = []
         self.fail_async: set[int] = set()
@@ -45,6 +54,9 @@ class HostDriver:
 
     def comm(self, pg):
         c = abs(hash(pg.group_name)) % (1 << 40) + 1
+        if getattr(self, "rebuild_ids", None) is not None:
+            # Which backend carries the group now: proves the fallback's forwarding reached a rebuilt one.
+            self.rebuild_ids.append(pg._get_backend(torch.device("cpu")))
         self.names[c] = pg.group_name
         self.state.setdefault(c, False)
         return c
@@ -53,7 +65,7 @@ class HostDriver:
         pass
 
     def free_bytes(self):
-        return (1 << 30) + 8 * MiB * sum(self.state.values())
+        return (1 << 30) + 8 * MiB * (sum(self.state.values()) + len(self.destroyed) - self.created)
 
     def async_error(self, c):
         return 7 if c in self.fail_async else 0
@@ -67,6 +79,22 @@ class HostDriver:
         assert self.state[c], "resumed while active"
         self.state[c] = False
         self.calls.append(("resume", self.names[c]))
+
+    def is_comm(self, backend):
+        return type(backend).__name__ == "ProcessGroupGloo"
+
+    def destroy(self, backend):
+        assert all(b is not backend for b in self.destroyed), "destroyed twice"
+        self.destroyed.append(backend)
+        self.calls.append(("destroy", ""))
+        backend.abort()
+
+    def new_backend(self, store, rank, size, old):
+        self.created += 1
+        return dist.ProcessGroupGloo(store, rank, size, old.options._timeout)
+
+    def connect(self, backend):
+        pass
 
     def mem_stat(self, c, stat):
         return {
@@ -102,14 +130,16 @@ def expect_error(fn, exc, match: str) -> str:
 def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     res: dict = {"rank": rank}
-    if mode == "cuda":
+    if mode.startswith("cuda"):
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
         device = f"cuda:{rank}"
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         device = "cpu"
-        comm._driver = HostDriver()
+        comm._driver = HostDriver(can_suspend=mode != "host-rebuild")
+    method = "rebuild" if mode == "cuda-rebuild" else "auto"
+    res["method"] = method
     original = dist.ProcessGroup.__dict__["allreduce"]
     try:
         # TP/DP-like splits of two ranks: the world, one group per rank, and a second world-sized group.
@@ -119,29 +149,46 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
         world_pg = dist.group.WORLD
         groups = [world_pg, mine, pair]
         check_collectives(rank, world, groups, device)
-        if mode == "cuda":
-            drv = comm._get_driver()
-            res["nccl"] = drv.describe
+        drv = comm._get_driver()
+        res["nccl"] = drv.describe
+        res["can_suspend"] = drv.can_suspend
+        if mode.startswith("cuda"):
             if not drv.can_suspend:
-                res["no_suspend_error"] = expect_error(comm.suspend, RuntimeError, "needs NCCL >=")
-                return
+                res["no_suspend_error"] = expect_error(
+                    lambda: comm.suspend(method="suspend"), RuntimeError, "needs NCCL >="
+                )
+                if mode == "cuda":
+                    return  # "auto" is the rebuild fallback here: the cuda-rebuild run covers it
         else:
             res["errors"] = [
                 expect_error(lambda: comm.suspend("world"), ValueError, "group must be"),
                 expect_error(lambda: comm.suspend([world_pg, 3]), ValueError, "group must be"),
+                expect_error(lambda: comm.suspend(world_pg, method="destroy"), ValueError, "method must be"),
             ]
-            comm._driver.fail_async.add(comm._driver.comm(pair))
+            drv.fail_async.add(drv.comm(pair))
             res["errors"].append(expect_error(lambda: comm.suspend(groups), RuntimeError, "pending"))
-            assert comm.suspended() == [] and not any(comm._driver.state.values()), "a failed suspend freed"
-            comm._driver.fail_async.clear()
+            assert comm.suspended() == [] and not any(drv.state.values()), "a failed suspend freed"
+            assert drv.destroyed == [], "a failed suspend destroyed a backend"
+            drv.fail_async.clear()
+            if mode == "host-rebuild":
+                drv.rebuild_ids = []
         stats0 = comm.memory_stats()
         res["groups"] = sorted(stats0)
         res["suspendable"] = {k: v.get("suspendable_bytes") for k, v in stats0.items()}
         res["cycles"] = []
         for i in range(cycles):
-            free0 = torch.cuda.mem_get_info()[0] if mode == "cuda" else None
-            s = comm.suspend()
-            again = comm.suspend()  # idempotent: nothing left to suspend
+            free0 = torch.cuda.mem_get_info()[0] if mode.startswith("cuda") else None
+            if i < 2:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    s = comm.suspend(method=method)
+                res.setdefault("warnings", []).extend(str(w.message) for w in caught)
+            else:
+                s = comm.suspend(method=method)
+            res.setdefault("methods", []).append(s["method"])
+            again = comm.suspend(method=method)  # idempotent: nothing left to suspend
+            if i == 0:
+                res["first_freed"] = {k: v["freed_bytes"] for k, v in comm.memory_stats().items()}
             assert again["groups"] == [], again
             st = comm.memory_stats()
             assert all(v["suspended"] for v in st.values()), st
@@ -152,8 +199,14 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
                     "suspended",
                 )
                 expect_error(lambda: dist.barrier(), comm.GroupSuspendedError, "suspended")
-            free1 = torch.cuda.mem_get_info()[0] if mode == "cuda" else None
-            r = comm.resume()
+            free1 = torch.cuda.mem_get_info()[0] if mode.startswith("cuda") else None
+            if i < 2:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    r = comm.resume()
+                res["warnings"].extend(str(w.message) for w in caught)
+            else:
+                r = comm.resume()
             assert comm.suspended() == [] and comm.resume()["groups"] == []
             check_collectives(rank, world, groups, device)
             res["cycles"].append(
@@ -167,6 +220,7 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
             )
         res["methods_restored"] = dist.ProcessGroup.__dict__["allreduce"] is original
         res["guard_removed"] = comm._originals == {}
+        res["rebuilt_objects"] = sum(comm._now(g) is not g for g in groups)
         # PhaseManager: the train phase's groups sleep during rollout.
         model = torch.nn.Linear(8, 8, device=device)
         pm = rlmem.PhaseManager(
@@ -180,13 +234,19 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
             res["train_suspended"] = comm.suspended()
             check_collectives(rank, world, [pair], device)
         res["stats"] = comm.memory_stats(pair)
-        if mode != "cuda":
-            calls = comm._driver.calls
-            res["calls_head"] = calls[:4]
+        if mode.startswith("host"):
+            res["calls_head"] = drv.calls[:4]
+            res["distinct_backends_seen"] = len({id(b) for b in getattr(drv, "rebuild_ids", None) or []})
+        for g in (pair, mine):
+            dist.destroy_process_group(g)
+        dist.destroy_process_group()
+        # Destroying the groups drops the forwarding: torch's methods are its own again.
+        res["restored_after_destroy"] = dist.ProcessGroup.__dict__["allreduce"] is original
     finally:
         with open(f"{out}.rank{rank}.json", "w") as f:
             json.dump(res, f, default=str)
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
