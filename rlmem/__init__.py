@@ -14,11 +14,14 @@ Public API:
         combined with offload_activations).
     ModuleMap: module-path patterns for models whose layout rlmem does not recognise.
     comm: suspend(), resume(), memory_stats() of NCCL communicator memory, keeping the process groups.
+    token_budget_batches: variable-length sequences into micro-batches under a token budget, the same
+        number per data-parallel rank, work balanced.
 """
 
 from . import comm
 from ._pinned import host_memory_held
 from .activations import ActivationOffloader, offload_activations
+from .batching import token_budget_batches
 from .checkpointing import CheckpointHandle, checkpoint
 from .errors import CudaError, HostOutOfMemoryError, OutOfMemoryError, RegionClosedError
 from .modmap import ModuleMap
@@ -51,4 +54,5 @@ __all__ = [
     "comm",
     "host_memory_held",
     "offload_activations",
+    "token_budget_batches",
 ]

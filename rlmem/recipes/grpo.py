@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import presets
+from ..batching import token_budget_batches
 from ..integrations.hf import HFSampler, kv_bytes_per_token
 from ..phases import OffloadConfig, PhaseManager
 from ..state import TrainState
@@ -74,6 +75,10 @@ class GRPOConfig:
         kl_coef: weight of the KL penalty to the initial policy; 0 builds no reference model.
         updates_per_step: optimizer steps per rollout batch (the batch is split into that many mini-batches).
         micro_batch_size: sequences per forward/backward.
+        dynamic_batching: train micro-batches by token budget instead of ``micro_batch_size``
+            (:func:`rlmem.token_budget_batches`, padded to each micro-batch's longest sequence, the same
+            number of micro-batches on every rank).
+        max_tokens_per_micro_batch: the budget with ``dynamic_batching`` (sequences x longest length).
         precision: ``"fp32"``, ``"bf16-mixed"`` (fp32 weights, bf16 autocast), ``"bf16"`` (bf16 weights) or
             ``"auto"`` (bf16-mixed on CUDA, fp32 on CPU).
         offload: switch memory between phases with rlmem; None: on for CUDA, off on CPU.
@@ -106,6 +111,8 @@ class GRPOConfig:
     kl_coef: float = 0.0
     updates_per_step: int = 2
     micro_batch_size: int = 64
+    dynamic_batching: bool = False
+    max_tokens_per_micro_batch: int | None = None
     precision: str = "auto"
     offload: bool | None = None
     kv_budget: int | float | str | None = None
@@ -143,7 +150,14 @@ class GRPOConfig:
         need("clip_eps", is_num(self.clip_eps) and 0 < self.clip_eps < 1, "in (0, 1)")
         need("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
         need("offload", self.offload in (None, True, False), "true, false or null (auto)")
-        for f in ("gradient_checkpointing", "progress", "plot"):
+        mt = self.max_tokens_per_micro_batch
+        need("max_tokens_per_micro_batch", mt is None or (is_int(mt) and mt >= 1), "None or an int >= 1")
+        need(
+            "max_tokens_per_micro_batch",
+            not self.dynamic_batching or mt is not None,
+            "set (an int >= 1) when dynamic_batching is true",
+        )
+        for f in ("gradient_checkpointing", "progress", "plot", "dynamic_batching"):
             need(f, isinstance(getattr(self, f), bool), "true or false")
         need("out_dir", isinstance(self.out_dir, str) and bool(self.out_dir), "a path")
         SortDigitsTask(min_digits=self.min_digits, max_digits=self.max_digits)  # validates both
@@ -582,14 +596,16 @@ def _update(
     gnorm = 0.0
     for mini in minis:
         denom = max(b["resp"][mini].sum().item(), 1.0)
-        for mb in mini.split(cfg.micro_batch_size):
-            ids, attn = b["ids"][mb].to(device), b["attn"][mb].to(device)
-            mask = b["resp"][mb].to(device)
+        for mb in _micro_batches(cfg, b, mini, device, world):
+            # Right-padded: a micro-batch needs only the columns of its longest sequence.
+            w = int(b["attn"][mb].sum(1).max())
+            ids, attn = b["ids"][mb, :w].to(device), b["attn"][mb, :w].to(device)
+            mask = b["resp"][mb, : w - 1].to(device)
             logp = token_logprobs(model, ids, attn, autocast)
             loss, kl = grpo_loss(
                 logp,
-                old[mb].to(device),
-                refs[mb].to(device) if refs is not None else None,
+                old[mb, : w - 1].to(device),
+                refs[mb, : w - 1].to(device) if refs is not None else None,
                 adv[mb].to(device),
                 mask,
                 clip_eps=cfg.clip_eps,
@@ -606,6 +622,24 @@ def _update(
         opt.zero_grad()
         tl.sample("train", step)
     return loss_sum, kl_sum, gnorm
+
+
+def _micro_batches(
+    cfg: GRPOConfig, b: dict[str, torch.Tensor], mini: torch.Tensor, device: torch.device, world: int
+) -> list[torch.Tensor]:
+    """The mini-batch's micro-batches: ``micro_batch_size`` rows each, or by token budget (the same count on
+    every rank, since FSDP's collectives need every rank to run as many forward/backward passes)."""
+    if not cfg.dynamic_batching:
+        return list(mini.split(cfg.micro_batch_size))
+    lengths = b["attn"][mini].sum(1).tolist()
+    budget = cfg.max_tokens_per_micro_batch
+    k = len(token_budget_batches(lengths, budget, padded=True)[0])
+    if world > 1:
+        t = torch.tensor([k], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        k = int(t.item())
+    parts = token_budget_batches(lengths, budget, padded=True, min_micro_batches=k)[0]
+    return [mini[torch.tensor(p, dtype=torch.long)] for p in parts if p]
 
 
 def _set_reshard(model: nn.Module, reshard: bool, world: int) -> None:
