@@ -3,6 +3,8 @@
 Fixed-size micro-batches of long-tailed lengths either waste the budget on short sequences or run out of
 memory on long ones. :func:`token_budget_batches` fills each micro-batch up to ``max_tokens`` and balances
 the work, with attention counted as growing with length squared, over micro-batches and data-parallel ranks.
+Packed sequences (no padding) are spread so every micro-batch carries a similar cost; padded ones are grouped
+by length, so little of the budget goes to padding.
 Unlike balancing that only evens the work out, no micro-batch ever holds more than ``max_tokens``.
 """
 
@@ -42,28 +44,61 @@ def _check(lengths: Sequence[int], max_tokens: int, dp_size: int, least: int, at
             raise ValueError(f"sequence {i} has {n} tokens, more than max_tokens={max_tokens}")
 
 
+def _cost(members: list[int], lengths: Sequence[int], padded: bool, attn: float) -> float:
+    if not members:
+        return 0.0
+    if padded:  # every row computes as long as the longest
+        return len(members) * sequence_cost(max(lengths[i] for i in members), attn)
+    return sum(sequence_cost(lengths[i], attn) for i in members)
+
+
 def _pack(
-    order: list[int], lengths: Sequence[int], bins: int, max_tokens: int, padded: bool, attn: float
+    order: list[int], lengths: Sequence[int], bins: int, max_tokens: int, attn: float
 ) -> list[list[int]] | None:
-    """Longest first, each into the least-loaded bin it fits in; None when one fits nowhere."""
+    """Packed sequences (no padding): longest first, each into the least-loaded bin it fits in; None when
+    one fits nowhere."""
     members: list[list[int]] = [[] for _ in range(bins)]
     tokens = [0] * bins
-    longest = [0] * bins
     cost = [0.0] * bins
     for i in order:
         n = lengths[i]
         best = -1
         for b in range(bins):
-            used = (len(members[b]) + 1) * max(longest[b], n) if padded else tokens[b] + n
-            if used <= max_tokens and (best < 0 or cost[b] < cost[best]):
+            if tokens[b] + n <= max_tokens and (best < 0 or cost[b] < cost[best]):
                 best = b
         if best < 0:
             return None
         members[best].append(i)
         tokens[best] += n
-        longest[best] = max(longest[best], n)
         cost[best] += sequence_cost(n, attn)
     return members
+
+
+def _runs(
+    order: list[int], lengths: Sequence[int], max_tokens: int, dp_size: int, least: int, attn: float
+) -> list[list[int]]:
+    """Padded micro-batches: runs of similar lengths (consecutive in longest-first order, so little padding),
+    each as full as the budget allows; then the costliest runs split in halves until every rank can have
+    the same number, at least ``least``."""
+    runs: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        # Longest first: the run's first sequence is its longest.
+        if cur and (len(cur) + 1) * lengths[cur[0]] > max_tokens:
+            runs.append(cur)
+            cur = []
+        cur.append(i)
+    runs.append(cur)
+    want = dp_size * max(least, math.ceil(len(runs) / dp_size))
+    while len(runs) < want:
+        splittable = [r for r in range(len(runs)) if len(runs[r]) > 1]
+        if not splittable:
+            runs.append([])  # fewer sequences than micro-batches
+            continue
+        r = max(splittable, key=lambda r: (_cost(runs[r], lengths, True, attn), -r))
+        half = len(runs[r]) // 2
+        runs[r : r + 1] = [runs[r][:half], runs[r][half:]]
+    return runs
 
 
 def token_budget_batches(
@@ -106,14 +141,18 @@ def token_budget_batches(
     n = len(lengths)
     # Longest first; ties by index, so the result depends only on the arguments.
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
-    total = sum(lengths)
-    k = max(min_micro_batches, math.ceil(total / (max_tokens * dp_size)))
-    while True:
-        members = _pack(order, lengths, dp_size * k, max_tokens, padded, attn_tokens)
-        if members is not None:
-            break
-        k += 1  # terminates: with a bin per sequence every one fits
-    costs = [sum(sequence_cost(lengths[i], attn_tokens) for i in m) for m in members]
+    if padded:
+        members = _runs(order, lengths, max_tokens, dp_size, min_micro_batches, attn_tokens)
+        k = len(members) // dp_size
+    else:
+        k = max(min_micro_batches, math.ceil(sum(lengths) / (max_tokens * dp_size)))
+        while True:
+            packed = _pack(order, lengths, dp_size * k, max_tokens, attn_tokens)
+            if packed is not None:
+                members = packed
+                break
+            k += 1  # terminates: with a bin per sequence every one fits
+    costs = [_cost(m, lengths, padded, attn_tokens) for m in members]
     # Micro-batches to ranks: heaviest first, to the least-loaded rank that still has room for one.
     ranks: list[list[list[int]]] = [[] for _ in range(dp_size)]
     load = [0.0] * dp_size

@@ -7,7 +7,7 @@ import sys
 
 from . import __version__
 
-_BENCHES = ("region", "phase_switch", "grpo_colocated", "activations", "comm")
+_BENCHES = ("region", "phase_switch", "grpo_colocated", "activations", "comm", "token_budget")
 
 
 def main(argv: list[str] | None = None) -> int:
