@@ -58,3 +58,12 @@ def test_prompts_must_split_evenly_over_ranks(tmp_path):
     cmd += ["train", "device=cpu", "steps=1", "prompts_per_step=3", f"out_dir={tmp_path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "prompts_per_step (3) must be divisible by the 2 ranks" in proc.stderr
+
+
+def test_fsdp2_two_cpu_ranks_dynamic_batching(tmp_path):
+    # Token-budget micro-batches per rank, the count agreed by an all-reduce (FSDP2's collectives need every
+    # rank to run as many forward/backward passes); a small budget gives several micro-batches per rank.
+    args = ["device=cpu", "steps=2", "prompts_per_step=8", "group_size=4", "updates_per_step=1"]
+    args += ["dynamic_batching=true", "max_tokens_per_micro_batch=40"]
+    s = _torchrun(tmp_path, "dyn", *args)
+    assert s["world_size"] == 2 and len(s["losses"]) == 2
