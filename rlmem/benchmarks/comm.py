@@ -1,13 +1,13 @@
 """Benchmark of NCCL communicator suspend/resume against destroying and re-creating the same groups.
 
-Two ranks (one per GPU) create 1, 4 and 8 NCCL groups over all ranks, each with a communicator set up by a
-warm-up all-reduce. For each count: ``rlmem.comm.suspend`` + ``resume`` of all of them (seconds, device bytes
-freed, NCCL's suspendable bytes) where the loaded NCCL can suspend; the same with ``method="rebuild"``
-(rlmem's fallback: communicators destroyed and rebuilt under the same group objects); then the alternative:
-``destroy_process_group`` of each and ``new_group`` + one all-reduce each to bring the communicators back
-(seconds). The summary, at 8 groups (or the largest), for rlmem's default path (``method``):
-``suspend_resume_s`` (slowest rank; suspend + resume + the groups' first all-reduce, where a rebuilt
-communicator connects), ``freed_fraction`` (device bytes freed over NCCL's suspendable bytes),
+One rank per GPU (all of the machine's, at least two) creates 1, 4 and 8 NCCL groups over all ranks, each with
+a communicator set up by a warm-up all-reduce. For each count: ``rlmem.comm.suspend`` + ``resume`` of all of
+them (seconds, device bytes freed, NCCL's suspendable bytes) where the loaded NCCL can suspend; the same with
+``method="rebuild"`` (rlmem's fallback: communicators destroyed and rebuilt under the same group objects);
+then the alternative: ``destroy_process_group`` of each and ``new_group`` + one all-reduce each to bring the
+communicators back (seconds). The summary, at 8 groups (or the largest), for rlmem's default path
+(``method``): ``suspend_resume_s`` (slowest rank; suspend + resume + the groups' first all-reduce, where a
+rebuilt communicator connects), ``freed_fraction`` (device bytes freed over NCCL's suspendable bytes),
 ``speedup_vs_recreate``, and the fallback's figures beside them.
 """
 
@@ -187,9 +187,10 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm")
-        mp.spawn(_worker, args=(2, counts, args.reps, port, out), nprocs=2, join=True)
+        world = torch.cuda.device_count()
+        mp.spawn(_worker, args=(world, counts, args.reps, port, out), nprocs=world, join=True)
         ranks = []
-        for r in (0, 1):
+        for r in range(world):
             with open(f"{out}.rank{r}.json") as f:
                 ranks.append(json.load(f))
     rows = []
