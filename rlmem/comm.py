@@ -39,8 +39,7 @@ from . import _comm_rebuild, _nccl
 __all__ = ["CommFallbackWarning", "GroupSuspendedError", "memory_stats", "resume", "suspend", "suspended"]
 
 _lock = threading.RLock()
-_suspended: dict[str, Any] = {}  # group name -> the group, while suspended
-_method: dict[str, str] = {}  # group name -> "suspend" or "rebuild", while suspended
+_suspended: dict[str, str] = {}  # group name -> how it was suspended ("suspend" or "rebuild"), while it is
 # id(group the program holds) -> (that group, the group object carrying its rebuilt communicators)
 _current: dict[int, tuple[Any, Any]] = {}
 _generation: dict[str, int] = {}
@@ -165,7 +164,7 @@ class _Driver:
         prev = getattr(old, "options", None)
         # Not split_from: the parent's communicators may be the ones just destroyed.
         for field in ("is_high_priority_stream", "_timeout", "global_ranks_in_group", "group_name"):
-            if prev is not None and hasattr(prev, field):
+            if hasattr(prev, field):  # False for None too
                 setattr(opts, field, getattr(prev, field))
         return ProcessGroupNCCL(store, rank, size, opts)
 
@@ -241,7 +240,7 @@ def _wrap(name: str, orig: Any) -> Any:
                     f"process group {gname!r} is suspended by rlmem.comm.suspend(); its collective "
                     f"{name!r} cannot run until every rank calls rlmem.comm.resume() for it"
                 )
-            if ends and _method.get(gname) == "rebuild":
+            if ends and _suspended[gname] == "rebuild":
                 # Its communicators are destroyed already; shutting them down again is not safe.
                 _forget(self)
                 return None
@@ -285,7 +284,6 @@ def _forget(pg: Any) -> None:
     # The program shut ``pg`` down: nothing of it is suspended or forwarded any more.
     _current.pop(id(pg), None)
     _suspended.pop(pg.group_name, None)
-    _method.pop(pg.group_name, None)
     _remove_guard()
 
 
@@ -383,8 +381,7 @@ def suspend(group: Any = None, *, method: str = "auto") -> dict[str, Any]:
                     rec["suspendable_bytes"] = suspendable
                 rec["suspends"] += 1
                 freed += rec["freed_bytes"]
-                _suspended[g.group_name] = g
-                _method[g.group_name] = use
+                _suspended[g.group_name] = use
                 done.append(g.group_name)
                 if use == "suspend" and drv.mem_stat(c, _nccl.STAT_TOTAL) == 0:
                     warnings.warn(
@@ -435,7 +432,7 @@ def resume(group: Any = None) -> dict[str, Any]:
                 name = g.group_name
                 before = drv.free_bytes()
                 ts = time.perf_counter()
-                if _method[name] == "suspend":
+                if _suspended[name] == "suspend":
                     drv.resume(drv.comm(_now(g)))
                 else:
                     gen = _generation.get(name, 0) + 1
@@ -448,7 +445,6 @@ def resume(group: Any = None) -> dict[str, Any]:
                 rec["resumes"] += 1
                 taken += max(0, before - drv.free_bytes())
                 del _suspended[name]
-                del _method[name]
                 done.append(name)
         finally:
             _remove_guard()
@@ -478,7 +474,7 @@ def memory_stats(group: Any = None) -> dict[str, dict[str, Any]]:
         for g in _resolve(group, drv):
             name = g.group_name
             entry: dict[str, Any] = {"suspended": name in _suspended, "nccl": drv.describe}
-            if drv.can_suspend and _method.get(name) != "rebuild":
+            if drv.can_suspend and _suspended.get(name) != "rebuild":
                 c = drv.comm(_now(g))
                 entry["suspendable_bytes"] = drv.mem_stat(c, _nccl.STAT_SUSPEND)
                 entry["persistent_bytes"] = drv.mem_stat(c, _nccl.STAT_PERSIST)

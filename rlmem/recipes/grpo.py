@@ -633,12 +633,12 @@ def _micro_batches(
         return list(mini.split(cfg.micro_batch_size))
     lengths = b["attn"][mini].sum(1).tolist()
     budget = cfg.max_tokens_per_micro_batch
-    k = len(token_budget_batches(lengths, budget, padded=True)[0])
+    parts = token_budget_batches(lengths, budget, padded=True)[0]
     if world > 1:
-        t = torch.tensor([k], device=device)
+        t = torch.tensor([len(parts)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        k = int(t.item())
-    parts = token_budget_batches(lengths, budget, padded=True, min_micro_batches=k)[0]
+        if int(t.item()) > len(parts):  # another rank needs more: cut this one's as finely
+            parts = token_budget_batches(lengths, budget, padded=True, min_micro_batches=int(t.item()))[0]
     return [mini[torch.tensor(p, dtype=torch.long)] for p in parts if p]
 
 
