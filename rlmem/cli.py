@@ -7,7 +7,15 @@ import sys
 
 from . import __version__
 
-_BENCHES = ("region", "phase_switch", "grpo_colocated", "activations", "comm", "token_budget")
+_BENCHES = (
+    "region",
+    "phase_switch",
+    "grpo_colocated",
+    "activations",
+    "comm",
+    "token_budget",
+    "plan_accuracy",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="run a benchmark (rlmem bench NAME --help for its options)")
     b.add_argument("name", choices=_BENCHES, help="which benchmark")
     sub.add_parser("train", help="co-located GRPO (rlmem train --help for its options)", add_help=False)
+    sub.add_parser("plan", help="memory estimate and which options fit (rlmem plan --help)", add_help=False)
     r = sub.add_parser("report", help="re-print a run's memory table and re-draw its plot")
     r.add_argument("run_dir", help="the out_dir of an rlmem train run")
     r.add_argument("--no-plot", action="store_true", help="only print")
@@ -29,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from .recipes import grpo
 
         return grpo.main(argv[1:])
+    if argv[0] == "plan":
+        from . import plan
+
+        return plan.main(argv[1:])
     args, rest = p.parse_known_args(argv)
     if args.command == "report" and not rest:
         from .recipes import grpo

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|comm] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|comm] [args...]
 # comm (2 GPUs): tests/test_comm.py and bench/comm.py; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # bench-grpo passes its args to bench/grpo_colocated.py (e.g. --parts big-offload --merge);
@@ -70,6 +70,13 @@ fi
 if [[ $what == all || $what == bench || $what == bench-tokens ]]; then
   python3 bench/token_budget.py --machine "$name" --json "$OUT/token_budget-$name.json" \
     2>&1 | tee "$OUT/bench_token_budget.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == all || $what == bench || $what == bench-plan ]]; then
+  extra=()
+  [[ $what == bench-plan ]] && extra=("$@")
+  python3 bench/plan_accuracy.py --machine "$name" --json "$OUT/plan_accuracy-$name.json" "${extra[@]}" \
+    2>&1 | tee "$OUT/bench_plan_accuracy.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == comm ]]; then
