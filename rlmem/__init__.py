@@ -14,6 +14,8 @@ Public API:
         combined with offload_activations).
     ModuleMap: module-path patterns for models whose layout rlmem does not recognise.
     comm: suspend(), resume(), memory_stats() of NCCL communicator memory, keeping the process groups.
+    estimate_memory, recommend, ModelShape, Workload, PlanOptions, Hardware, MemoryEstimate: the memory
+        planner behind ``rlmem plan`` (what a step and a rollout take, which options make them fit).
     token_budget_batches: variable-length sequences into micro-batches under a token budget, the same
         number per data-parallel rank, work balanced.
 """
@@ -26,6 +28,7 @@ from .checkpointing import CheckpointHandle, checkpoint
 from .errors import CudaError, HostOutOfMemoryError, OutOfMemoryError, RegionClosedError
 from .modmap import ModuleMap
 from .phases import Engine, OffloadConfig, PhaseManager
+from .plan import Hardware, MemoryEstimate, ModelShape, PlanOptions, Workload, estimate_memory, recommend
 from .region import Handle, Region, RegionStats
 from .state import TrainState
 from .timeline import MemoryLeakWarning, MemoryTimeline
@@ -38,21 +41,28 @@ __all__ = [
     "CudaError",
     "Engine",
     "Handle",
+    "Hardware",
     "HostOutOfMemoryError",
+    "MemoryEstimate",
     "MemoryLeakWarning",
     "MemoryTimeline",
+    "ModelShape",
     "ModuleMap",
     "OffloadConfig",
     "OutOfMemoryError",
     "PhaseManager",
+    "PlanOptions",
     "Region",
     "RegionClosedError",
     "RegionStats",
     "TrainState",
+    "Workload",
     "__version__",
     "checkpoint",
     "comm",
+    "estimate_memory",
     "host_memory_held",
     "offload_activations",
+    "recommend",
     "token_budget_batches",
 ]

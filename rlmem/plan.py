@@ -30,11 +30,15 @@ from typing import Any
 from .presets import QWEN2
 
 __all__ = [
+    "Hardware",
     "MemoryEstimate",
     "ModelShape",
     "PlanOptions",
+    "Recommendation",
     "Workload",
     "estimate_memory",
+    "format_recommendations",
+    "parse_bytes",
     "recommend",
 ]
 
