@@ -1,4 +1,4 @@
-"""Predicted (rlmem plan) against measured peak memory of the 2.47B model in 8 configurations;
+"""Predicted (rlmem plan) against measured peak memory of the 2.47B model in 11 configurations;
 writes bench/results/plan_accuracy-<machine>.json.
 
 Run from the repository root: ``python bench/plan_accuracy.py --machine nvidia-h100-x1``.
