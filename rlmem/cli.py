@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from .recipes import grpo
 
         return grpo.main(argv[1:])
+    if argv[0] == "bench" and len(argv) > 1 and argv[1] in _BENCHES:  # its own parser, --help included
+        import importlib
+
+        return importlib.import_module(f".benchmarks.{argv[1]}", __package__).main(argv[2:])
     if argv[0] == "plan":
         from . import plan
 
@@ -50,9 +54,5 @@ def main(argv: list[str] | None = None) -> int:
             return grpo.report(args.run_dir, plot=not args.no_plot)
         except ValueError as e:
             p.error(str(e))
-    if args.command == "bench":
-        import importlib
-
-        return importlib.import_module(f".benchmarks.{args.name}", __package__).main(rest)
     p.error(f"unknown arguments: {' '.join(rest)}")
     return 2

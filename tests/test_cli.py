@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from _helpers import ROOT
 
 import rlmem
@@ -86,3 +87,12 @@ def test_bench_phase_switch_runs_its_contenders_on_cpu(tmp_path):
     assert r["intact"] and r["state_bytes"] > 0 and len(r["cycles"]) == 3
     assert data["results"]["naive"]["intact"]
     assert {"speedup_vs_naive", "first_cycle_s", "freed_fraction"} <= set(data["summary"])
+
+
+def test_bench_help_is_the_benchmarks_own(capsys) -> None:
+    from rlmem.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "plan_accuracy", "--help"])
+    assert e.value.code == 0
+    assert "usage: rlmem bench plan_accuracy" in capsys.readouterr().out
