@@ -194,25 +194,31 @@ class ModelShape:
         """KV cache bytes of one token over all layers (keys and values)."""
         return 2 * self.num_hidden_layers * self.kv_dim * dtype_bytes
 
-    def activation_bytes_per_token(self, dtype_bytes: int = 2) -> dict[str, int]:
-        """Bytes autograd saves per token in one decoder layer, by rlmem module name (``mlp`` is the part
-        no name covers; ``checkpoint_input`` is what a checkpointed layer keeps instead of all of them)."""
+    def saved_tensors_per_token(self, dtype_bytes: int = 2) -> dict[str, list[int]]:
+        """Per token, the storages autograd saves in one decoder layer, by rlmem module name (one entry per
+        storage, as the offloader sees them; ``mlp`` is the part no name covers; ``checkpoint_input`` is
+        what a checkpointed layer keeps instead of all of them)."""
         h, q, kv, i, b = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size, dtype_bytes
-        nh = self.num_attention_heads
+        nh, nkv = self.num_attention_heads, self.num_key_value_heads
         # RMSNorm: its fp32 input (pow, mul), rsqrt per token, the normalised tensor cast back (weight mul)
-        norm = 4 * h + 4 + b * h
-        core = b * (2 * q + 2 * kv) + 4 * nh  # q, k (roped), v, output, fp32 log-sum-exp per head
-        if self.qk_norm:
-            core += (4 + b) * (q + kv) + 4 * (nh + self.num_key_value_heads)
+        norm = [4 * h, 4, b * h]
+        core = [b * q, b * kv, b * kv, b * q, 4 * nh]  # q, k (roped), v, output, fp32 log-sum-exp per head
+        if self.qk_norm:  # Qwen3's per-head RMSNorm of q and k
+            core += [4 * q, 4 * nh, b * q, 4 * kv, 4 * nkv, b * kv]
         return {
             "attn_norm": norm,
-            "qkv_linear": b * h,  # the norm's output, the projections' input
+            "qkv_linear": [b * h],  # the norm's output, the projections' input
             "core_attn": core,
-            "attn_proj": 0,  # o_proj's input is core_attn's output (one storage)
+            "attn_proj": [],  # o_proj's input is core_attn's output (one storage)
             "mlp_norm": norm,
-            "mlp": b * h + 4 * b * i,  # gate/up input; gate out, SiLU out, up out, product
-            "checkpoint_input": b * h,
+            "mlp": [b * h, b * i, b * i, b * i, b * i],  # gate/up input; gate out, SiLU out, up out, product
+            "checkpoint_input": [b * h],
         }
+
+    def activation_bytes_per_token(self, dtype_bytes: int = 2) -> dict[str, int]:
+        """Bytes autograd saves per token in one decoder layer, by rlmem module name (see
+        :meth:`saved_tensors_per_token`)."""
+        return {k: sum(v) for k, v in self.saved_tensors_per_token(dtype_bytes).items()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -410,21 +416,7 @@ def _phase_points(
     b, L, h, V = w.compute_bytes, shape.num_hidden_layers, shape.hidden_size, shape.vocab_size
     Tl = w.logits_tokens or T
     per = shape.activation_bytes_per_token(b)
-    parts = {  # the saved tensors of each name, as the offloader sees them (one storage each)
-        "attn_norm": [4 * h, 4, b * h],
-        "qkv_linear": [b * h],
-        "core_attn": [
-            b * shape.q_dim,
-            b * shape.kv_dim,
-            b * shape.kv_dim,
-            b * shape.q_dim,
-            4 * shape.num_attention_heads,
-        ],
-        "attn_proj": [],
-        "mlp_norm": [4 * h, 4, b * h],
-    }
-    if shape.qk_norm:
-        parts["core_attn"] += [(4 + b) * (shape.q_dim + shape.kv_dim)]
+    parts = shape.saved_tensors_per_token(b)
     off_tok = sum(x for m in o.offload_modules for x in parts[m] if x * T >= o.min_offload_bytes)
     layer_full = sum(v for k, v in per.items() if k != "checkpoint_input") * T
     ck = [bool(o.checkpoint_every) and j % o.checkpoint_every == 0 for j in range(L)]

@@ -203,6 +203,7 @@ def _measure_rollout(model: Any, cfg: dict[str, Any], device: torch.device) -> d
 
 def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
     from ._common import (
+        _version,
         check_targets,
         environment,
         format_table,
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         "benchmark": NAME,
         "machine": machine,
         **environment(device),
-        "transformers": _transformers_version(),
+        "transformers": _version("transformers"),
         "model": "qwen2-2.5b",
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "results": results,
@@ -322,12 +323,3 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
     if path:
         print(f"wrote {write_json(path, payload)}")
     return 0
-
-
-def _transformers_version() -> str | None:
-    try:
-        import transformers
-
-        return transformers.__version__
-    except ImportError:
-        return None
