@@ -237,7 +237,8 @@ class Workload:
         precision: ``bf16``/``fp16``/``fp32`` (parameters, gradients and states in that dtype, as a model cast
             to it trains with torch's optimizers) or ``mixed`` (fp32 parameters, gradients and states,
             bf16 compute through FSDP2's MixedPrecisionPolicy).
-        optimizer: ``adamw`` (torch's foreach default), ``adamw_fused``, ``sgd`` (with momentum), ``none``.
+        optimizer: ``adamw`` (torch's foreach default), ``adamw_fused``, ``sgd`` (with momentum), ``none``
+            (no optimizer state here; gradients are still made).
         dp_shards: FSDP2 ranks the parameters, gradients and optimizer states are sharded over (1: none).
         comm_groups: NCCL communicators of the training process (default one when ``dp_shards > 1``).
         rollout_batch, rollout_len: sequences generated together and their prompt + completion length
@@ -461,7 +462,8 @@ def _phase_points(
         if v > worst:
             worst, where = v, f"backward, layer {j}"
     pts[where] = worst
-    emb_tmp = shape.vocab_size * h * b if (g_pre or shape.tie_word_embeddings) else 0
+    # embedding backward: a new gradient (untied, first micro-batch) or one added into the existing one
+    emb_tmp = shape.vocab_size * h * b
     pts["backward, embedding"] = base + (head_grad + grads["layer"] * L) * g_new + emb_tmp + 4 * h * T
     return pts, sum(off), acts
 
@@ -498,21 +500,14 @@ def estimate_memory(
     n_states = {"adamw": 2, "adamw_fused": 2, "sgd": 1, "none": 0}[w.optimizer]
     opt = n_states * params
     opt_tmp = {"adamw": params, "adamw_fused": 0, "sgd": 0, "none": 0}[w.optimizer]
-    if w.optimizer == "none":
-        grads_total = 0
     # FSDP2 (sharded, or mixed precision's cast): the root module's embedding/head and two decoder layers
     # (current and prefetched) are gathered unsharded in the compute dtype, plus one layer's unsharded grads.
     fsdp = dp > 1 or w.precision == "mixed"
     gathered = (shape.embed_params() + 2 * shape.layer_params()) * b if fsdp else 0
     gathered_grads = shape.layer_params() * b if fsdp else 0
-    grads = {
-        "head": math.ceil(shape.embed_params() * sb / dp)
-        if not shape.tie_word_embeddings
-        else math.ceil(V * h * sb / dp),
-        "layer": math.ceil(shape.layer_params() * sb / dp),
-    }
-    if w.optimizer == "none":
-        grads = {"head": 0, "layer": 0}
+    # The LM head's weight gradient appears in the head's backward (tied or not); an untied input
+    # embedding's at the very end.
+    grads = {"head": math.ceil(V * h * sb / dp), "layer": math.ceil(shape.layer_params() * sb / dp)}
     persist = params + opt + gathered
     T = w.micro_batch_tokens
     points, off_bytes, acts = _phase_points(shape, w, o, T, 0, persist, grads)

@@ -149,6 +149,8 @@ def test_precision_optimizer_sharding_and_accumulation() -> None:
         -4 * P // 8
     )
     assert mixed.categories["FSDP gathered params + grads"] > 0 and mixed.categories["NCCL (rough)"] > 0
+    bare = estimate_memory("qwen2-2.5b", Workload(micro_batch_tokens=2048, optimizer="none"))
+    assert bare.categories["optimizer states"] == 0 and bare.categories["grads"] == 2 * P
     one = estimate_memory("qwen2-2.5b", Workload(micro_batch_tokens=8192))
     acc = estimate_memory("qwen2-2.5b", Workload(micro_batch_tokens=8192, grad_accumulation=2))
     # later micro-batches run with every gradient already held
