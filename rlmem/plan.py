@@ -412,12 +412,13 @@ class MemoryEstimate:
 
 def _phase_points(
     shape: ModelShape, w: Workload, o: PlanOptions, T: int, g_pre: int, persist: int, grads: dict[str, int]
-) -> tuple[dict[str, int], int]:
-    """Bytes alive at each point of one micro-batch's forward and backward, over ``persist``."""
+) -> tuple[dict[str, int], int, int]:
+    """Bytes alive at each point of one micro-batch's forward and backward, over ``persist``; also the
+    bytes offloaded and the activations kept on the device at the start of backward."""
     b, L, h, V = w.compute_bytes, shape.num_hidden_layers, shape.hidden_size, shape.vocab_size
     Tl = w.logits_tokens or T
-    per = shape.activation_bytes_per_token(b)
     parts = shape.saved_tensors_per_token(b)
+    per = {k: sum(v) for k, v in parts.items()}
     off_tok = sum(x for m in o.offload_modules for x in parts[m] if x * T >= o.min_offload_bytes)
     layer_full = sum(v for k, v in per.items() if k != "checkpoint_input") * T
     ck = [bool(o.checkpoint_every) and j % o.checkpoint_every == 0 for j in range(L)]
@@ -521,7 +522,7 @@ def estimate_memory(
     train_at = max(points, key=lambda k: points[k])
     train_peak = points[train_at]
 
-    kv = w.kv_budget_bytes or w.rollout_batch * w.rollout_len * shape.kv_bytes_per_token(2 if b == 2 else 4)
+    kv = w.kv_budget_bytes or w.rollout_batch * w.rollout_len * shape.kv_bytes_per_token(b)
     roll_pts: dict[str, int] = {}
     if kv or w.rollout_batch:
         # Gradients are gone during rollout either way (zero_grad(set_to_none=True), or rlmem's default
