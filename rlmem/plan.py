@@ -439,7 +439,9 @@ def _phase_points(
     }
     g_new = 0 if g_pre else 1  # gradients appear during the first micro-batch's backward
     head_grad = grads["head"] * g_new
-    transient_head = shape.vocab_size * h * b if g_pre or shape.tie_word_embeddings else 0
+    # With gradients already held, the head's weight gradient is made and then added in: a temporary.
+    # Otherwise it is the new gradient itself (head_grad), tied or not.
+    transient_head = shape.vocab_size * h * b if g_pre else 0
     pts["backward, lm_head"] = (
         base + acts + head_in + (b * V + 4 * V) * Tl + head_grad + transient_head + b * h * T
     )
