@@ -117,10 +117,28 @@ def copy_streams(index: int, role: str = "region") -> tuple[torch.cuda.Stream, t
 
 
 def host_register(ptr: int, nbytes: int, index: int) -> None:
-    """Page-lock ``nbytes`` of host memory at ``ptr`` for DMA, usable from every context."""
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for DMA, usable from every context and mapped into the
+    devices' address space (kernels can read and write it over the link)."""
     d = driver()
     with context(index):
-        call("cuMemHostRegister", ptr, nbytes, d.CU_MEMHOSTREGISTER_PORTABLE)
+        call("cuMemHostRegister", ptr, nbytes, d.CU_MEMHOSTREGISTER_PORTABLE | d.CU_MEMHOSTREGISTER_DEVICEMAP)
+
+
+def host_device_pointer(ptr: int, index: int) -> int:
+    """The device address of registered host memory at ``ptr`` (the same value on unified-addressing
+    systems, H100 included)."""
+    with context(index):
+        return int(call("cuMemHostGetDevicePointer", ptr, 0))
+
+
+def mapped_tensor(ptr: int, nbytes: int, index: int, owner: object) -> torch.Tensor:
+    """A uint8 tensor of device ``index`` over ``nbytes`` of registered host memory at ``ptr``; it keeps
+    ``owner`` alive."""
+    t = torch.as_tensor(
+        _CudaArray(host_device_pointer(ptr, index), nbytes, owner), device=torch.device("cuda", index)
+    )
+    assert t.device.index == index
+    return t
 
 
 def host_unregister(ptr: int, index: int) -> None:
@@ -197,8 +215,12 @@ class CudaBackend:
     def base_tensor(self) -> torch.Tensor:
         """A uint8 tensor over the whole range; call once the range is mapped (torch reads the pointer's
         device from the mapping)."""
-        t = torch.as_tensor(_CudaArray(self._ptr, self._size, self), device=self.device)
-        assert t.data_ptr() == self._ptr and t.device == self.device
+        return self.tensor_at(0, self._size)
+
+    def tensor_at(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor with a storage of its own over ``nbytes`` at ``offset`` of the mapped range."""
+        t = torch.as_tensor(_CudaArray(self._ptr + offset, nbytes, self), device=self.device)
+        assert t.data_ptr() == self._ptr + offset and t.device == self.device
         return t
 
     @property

@@ -40,6 +40,11 @@ class HostBackend:
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
         return self._base
 
+    def tensor_at(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor with a storage of its own over ``nbytes`` at ``offset``."""
+        assert self._map is not None
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+
     @property
     def ptr(self) -> int:
         assert self._base is not None

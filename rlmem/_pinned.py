@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 
 import torch
 
@@ -79,9 +80,26 @@ def _check_available(nbytes: int) -> None:
         )
 
 
+class _Pin:
+    """Owner of one device-mapped tensor over a :class:`HostBuffer`: alive while any view of that tensor is,
+    and keeps the buffer registered and mapped until then."""
+
+    __slots__ = ("__weakref__", "buffer")
+
+    def __init__(self, buffer: HostBuffer) -> None:
+        self.buffer = buffer
+
+    def __del__(self) -> None:
+        try:
+            self.buffer._pin_gone(self)
+        except Exception:
+            pass
+
+
 class HostBuffer:
     """``nbytes`` of host memory; page-locked when ``device_index`` is given (registered in that device's
-    context as portable memory, so every CUDA context can use it for DMA).
+    context as portable memory mapped into the devices' address space, so every CUDA context can use it for
+    DMA and kernels can read it in place).
 
     Raises:
         HostOutOfMemoryError: the host cannot provide ``nbytes``; nothing is held.
@@ -94,6 +112,9 @@ class HostBuffer:
         self.nbytes = nbytes
         self.pinned = pinned = device_index is not None
         self._index = device_index
+        self._pins: weakref.WeakSet[_Pin] = weakref.WeakSet()
+        self._pin: weakref.ref[_Pin] | None = None
+        self._free_pending = False
         try:
             self._map: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError as e:
@@ -124,7 +145,37 @@ class HostBuffer:
 
     @property
     def alive(self) -> bool:
-        return self._map is not None
+        return self._map is not None and not self._free_pending
+
+    def host_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 CPU tensor with a storage of its own over ``nbytes`` at ``offset``."""
+        assert self._map is not None
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def device_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of the registering device over ``nbytes`` at ``offset``, with a storage of its
+        own: zero-copy, kernels read and write host memory over the link. The buffer stays registered and
+        mapped while any such tensor exists, even after :meth:`free`, so none points at unmapped memory."""
+        if not self.pinned or not self.alive:
+            raise RuntimeError("device_view() needs a live page-locked buffer")
+        from . import _cuda
+
+        assert self._index is not None
+        pin = self._pin() if self._pin is not None else None
+        if pin is None:
+            pin = _Pin(self)
+            self._pins.add(pin)
+            # Held weakly: the tensors own the pin and the pin owns this buffer; a strong reference here
+            # would be a cycle through C++ that the garbage collector cannot see.
+            self._pin = weakref.ref(pin)
+        return _cuda.mapped_tensor(self.ptr + offset, nbytes, self._index, pin)
+
+    def _pin_gone(self, pin: _Pin) -> None:
+        # Called from the pin's __del__, which runs before its weak references are cleared.
+        self._pins.discard(pin)
+        if self._free_pending and not len(self._pins):
+            self._free_pending = False
+            self._release()
 
     def _unmap(self) -> None:
         self.tensor = None
@@ -136,9 +187,16 @@ class HostBuffer:
             self._map = None
 
     def free(self) -> None:
-        """Unregister and unmap the buffer (idempotent)."""
-        if self._map is None:
+        """Unregister and unmap the buffer (idempotent). Deferred while device views of it are alive."""
+        if self._map is None or self._free_pending:
             return
+        self._pin = None
+        if len(self._pins):
+            self._free_pending = True
+            return
+        self._release()
+
+    def _release(self) -> None:
         if self.pinned:
             from . import _cuda
 

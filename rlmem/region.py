@@ -4,6 +4,12 @@ Tensors carved from a Region keep their ``data_ptr()`` for the Region's whole li
 physical memory (after copying the contents to a reusable pinned host backup if asked to), ``resume()`` maps
 fresh memory at the same addresses and copies the contents back. Views, optimizer references and captured
 CUDA graphs stay valid across the cycle.
+
+While a Region is paused its tensors point at released memory and must not be used: on a GPU a kernel that
+reads them faults (an illegal memory access, after which the process's CUDA context is unusable) and a host
+copy fails with ``invalid argument``; on the host backend they read as zeros. Check ``region.paused`` first;
+:meth:`Region.host_view` gives the kept bytes of a paused Region as a tensor over its host backup.
+:class:`rlmem.TrainState` re-points the model's and optimizer's own references there while they are offloaded.
 """
 
 from __future__ import annotations
@@ -125,6 +131,7 @@ class Handle:
     resume the caller's current CUDA stream (or ``stream``) is ordered after the copies, without blocking
     the host, so work queued before it overlaps the copy. ``synchronize()`` blocks the host until all of it
     is done. A failure inside a non-blocking operation is raised by ``wait()`` and ``synchronize()``.
+    ``wait_copied()`` orders a stream after a pause's copies to the backup (not its release).
     """
 
     def __init__(
@@ -141,6 +148,7 @@ class Handle:
         self._device = device
         self.error: BaseException | None = None
         self.observed = False
+        self._copied: Any = None  # a pause's last copy to the backup (CUDA event), while it may be pending
 
     def done(self) -> bool:
         """True once the operation has completed (never blocks)."""
@@ -160,6 +168,14 @@ class Handle:
         self._join()
         if self._event is not None:
             (stream or torch.cuda.current_stream(self._device)).wait_event(self._event)
+
+    def wait_copied(self, stream: torch.cuda.Stream | None = None) -> None:
+        """After a pause: order ``stream`` (default: the current stream) after its copies to the host backup,
+        without blocking the host. Work queued on it from then on that reads
+        ``region.host_view(t, mapped=True)`` sees the kept bytes, while the release goes on in the background.
+        On the host backend the copies are done when ``pause()`` returns."""
+        if self._copied is not None:
+            (stream or torch.cuda.current_stream(self._device)).wait_event(self._copied)
 
     def synchronize(self) -> None:
         """Block the host until the operation is complete."""
@@ -197,6 +213,9 @@ class Region:
         >>> _ = region.resume()         # same addresses, same bytes
         >>> float(w[3, 7])
         1.5
+
+    Tensors carved from a paused Region must not be used (see the module docstring); ``host_view`` reads and
+    writes the kept bytes meanwhile, and writes made through it are what ``resume()`` brings back.
     """
 
     def __init__(
@@ -242,6 +261,7 @@ class Region:
         self._used = 0
         self._paused = False
         self._backup: HostBuffer | None = None
+        self._views: dict[tuple, torch.Tensor] = {}  # host views of the backup, see _backup_view
         self._op: Handle | None = None  # a non-blocking pause/resume whose worker may still run
         self._resume_done: Any = None  # event after the last resume's copies (CUDA)
         self._pauses = 0
@@ -311,8 +331,9 @@ class Region:
     ) -> torch.Tensor:
         """Carve an uninitialised, contiguous tensor out of the Region (bump allocation).
 
-        Its ``data_ptr()`` never changes for the life of the Region. Tensors are not freed one by one; the
-        whole range goes with the Region.
+        Its ``data_ptr()`` never changes for the life of the Region. Each tensor has a storage of its own
+        over its bytes (``torch.save`` writes those bytes alone; tensors of different dtypes can be saved
+        together). Tensors are not freed one by one; the whole range goes with the Region.
 
         Args:
             shape: an int or a sequence of non-negative ints.
@@ -344,7 +365,9 @@ class Region:
                     f"{self._nbytes} bytes are left"
                 )
             self._used = offset + need
-        return self._base[offset : offset + need].view(dtype).view(dims)
+        if need == 0:
+            return torch.empty(dims, dtype=dtype, device=self._device)
+        return self._backend.tensor_at(offset, need).view(dtype).view(dims)
 
     # -- pause ---------------------------------------------------------------------------------------
     def pause(self, *, keep: bool = True, blocking: bool = True) -> Handle:
@@ -352,15 +375,17 @@ class Region:
 
         The copy is ordered after the work already queued on the caller's current stream (and after a
         previous non-blocking resume). Work on other streams that touches the Region must be ordered before
-        the call by the caller. Chunks are released one by one as their copies complete. Calling it on a
-        paused Region does nothing, except after a pause that failed part-way: then it releases what is left.
+        the call by the caller. The copies are queued (on a GPU) or made (on the host backend) before the
+        call returns; chunks are released one by one as their copies complete. Calling it on a paused Region
+        does nothing, except after a pause that failed part-way: then it releases what is left.
 
         Args:
             keep: copy the contents to a pinned host backup (allocated on the first kept pause and reused
                 by later ones). ``False`` discards them: after ``resume()`` the memory is uninitialised
                 (zeros on the host backend); for KV caches and gradients.
             blocking: wait until the memory has been released. If False, release runs on a worker thread;
-                the returned handle's ``wait()`` joins it.
+                the returned handle's ``wait()`` joins it, and its ``wait_copied()`` orders a stream after
+                the copies alone.
 
         Returns:
             A :class:`Handle`.
@@ -394,22 +419,29 @@ class Region:
                 self._pauses += 1
             self._paused = True
             self._last_pause = {"kept": keep, "bytes": 0, "s": None}
+            events = self._copy_out(saved, after)
             if blocking:
-                self._pause_work(saved, after, t0)
+                self._release_work(events, after, t0)
                 return Handle("pause")
-            return self._start_op("pause", self._pause_work, saved, after, t0)
+            handle = self._start_op("pause", self._release_work, events, after, t0)
+            handle._copied = events[saved[-1]] if saved else None
+            return handle
 
-    def _pause_work(self, saved: list[int], after: Any, t0: float) -> None:
-        backend = self._backend
+    def _copy_out(self, saved: list[int], after: Any) -> dict[int, Any]:
+        """Queue (GPU) or make (host) the copies of saved chunks to the backup; returns their events."""
         backup = self._backup
-        copied = 0
         events: dict[int, Any] = {}
         if saved:
             assert backup is not None and backup.tensor is not None
-            backend.begin_out(after)
+            self._backend.begin_out(after)
             for i in saved:
                 off, size = self._chunks[i]
-                events[i] = backend.copy_out(off, size, backup.tensor[off : off + size])
+                events[i] = self._backend.copy_out(off, size, backup.tensor[off : off + size])
+        return events
+
+    def _release_work(self, events: dict[int, Any], after: Any, t0: float) -> None:
+        backend = self._backend
+        copied = 0
         backend.wait(after)
         for i, (off, size) in enumerate(self._chunks):
             if self._state[i] != _MAPPED:
@@ -452,12 +484,95 @@ class Region:
         if b is not None and b.alive and b.nbytes >= nbytes:
             return
         new = HostBuffer(nbytes, device_index=self._device.index if self._backend.pinned_backup else None)
+        self._views.clear()
         if b is not None:
             if _SAVED in self._state and b.alive:  # a part-way pause left contents only in the old backup
                 assert new.tensor is not None and b.tensor is not None
                 new.tensor[: b.nbytes].copy_(b.tensor)
             b.free()
         self._backup = new
+
+    # -- the backup while paused -------------------------------------------------------------------
+    def host_view(self, tensor: torch.Tensor, *, mapped: bool = False) -> torch.Tensor:
+        """The kept bytes of ``tensor``, a tensor carved from this paused Region, as a tensor over the host
+        backup: same shape, strides and dtype, no copy.
+
+        Reads give exactly what ``resume()`` will bring back, and writes made through the view are what it
+        brings back. The view is valid until the next pause overwrites the backup: clone what you keep
+        longer. A non-blocking pause still in flight is waited for first.
+
+        Args:
+            tensor: a tensor over this Region's memory (one from :meth:`empty`, or a view of one).
+            mapped: on a GPU, return the view as a tensor of the Region's device instead: the pinned backup
+                mapped into the device's address space, which kernels read and write in place over the link
+                (on the host backend the view is the same either way).
+
+        Raises:
+            ValueError: ``tensor`` is not a tensor over this Region.
+            RuntimeError: the Region is not paused (use ``tensor`` itself), or the bytes were not kept
+                (``pause(keep=False)``).
+            RegionClosedError: the Region is closed.
+        """
+        _check_flag("mapped", mapped)
+        with self._lock:
+            self._check_open()
+            self._settle()
+            off, extent = self._byte_span(tensor)
+            if not self._paused:
+                raise RuntimeError(
+                    f"region {self.name!r} is resident: read the tensor itself "
+                    "(host_view is for a paused region)"
+                )
+            lost = [
+                i
+                for i, (coff, size) in enumerate(self._chunks)
+                if coff < off + extent and off < coff + size and self._state[i] != _SAVED
+            ]
+            if lost:
+                raise RuntimeError(
+                    f"region {self.name!r}: bytes {off}..{off + extent} were not kept "
+                    "(paused with keep=False, or a pause that failed part-way); there is nothing to read"
+                )
+            return self._backup_view(tensor, off, extent, mapped)
+
+    def _byte_span(self, tensor: Any) -> tuple[int, int]:
+        """(offset from the Region's start, bytes spanned) of a tensor over the Region."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(
+                f"tensor must be a torch.Tensor over region {self.name!r}, got {type(tensor).__name__}"
+            )
+        extent = 0
+        if tensor.numel():
+            last = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+            extent = (last + 1) * tensor.element_size()
+        off = tensor.data_ptr() - self._ptr
+        if extent == 0 and tensor.device == self._device:
+            return 0, 0  # no bytes: nothing to keep or to read
+        if tensor.device != self._device or off < 0 or off + extent > self._nbytes:
+            raise ValueError(
+                f"tensor (shape {tuple(tensor.shape)}, {tensor.dtype}, on {tensor.device}) does not lie in "
+                f"region {self.name!r} ({self._nbytes} bytes on {self._device})"
+            )
+        return off, extent
+
+    def _backup_view(self, tensor: torch.Tensor, off: int, extent: int, mapped: bool) -> torch.Tensor:
+        """``tensor``'s geometry over the backup at ``off``, unchecked (the bytes are known to be there).
+
+        Views are cached for the backup's life: the same tensors serve every pause (a trainer offloads the
+        same state every step), and each has a storage of its own, as the Region's tensors do."""
+        backup = self._backup
+        assert backup is not None and backup.tensor is not None
+        mapped = mapped and backup.pinned
+        key = (off, extent, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), mapped)
+        view = self._views.get(key)
+        if view is None:
+            if extent == 0:
+                view = torch.empty(tensor.shape, dtype=tensor.dtype, device=self._device if mapped else "cpu")
+            else:
+                flat = backup.device_view(off, extent) if mapped else backup.host_view(off, extent)
+                view = flat.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
+            self._views[key] = view
+        return view
 
     # -- resume --------------------------------------------------------------------------------------
     def resume(self, *, blocking: bool = True) -> Handle:
@@ -614,6 +729,7 @@ class Region:
                     f"region {self.name!r} is paused with its contents in the host backup; resume() first"
                 )
             if self._backup is not None:
+                self._views.clear()
                 self._backup.free()
                 self._backup = None
 
@@ -632,6 +748,7 @@ class Region:
             self._backend.close()
             self._state = [_EMPTY] * len(self._chunks)
             self._paused = False
+            self._views.clear()
             if self._backup is not None:
                 self._backup.free()
                 self._backup = None

@@ -18,6 +18,13 @@ Gradients follow PyTorch's own conventions, so training is bit-for-bit what it w
 Optimizer states that ``step()`` creates lazily are adopted after the step that creates them (and at every
 offload, which also catches states replaced by ``load_state_dict``). Host-side scalars of CUDA parameters
 (the ``step`` counter of non-fused Adam/AdamW) stay where they are.
+
+While a category is offloaded its holders point at its bytes in the host backup, so reading the model or the
+optimizer (``state_dict()``, ``torch.save``, ``save_pretrained``, norms) gives exactly what training resumes
+from, and writes are what reload brings back. On a GPU they stay tensors of the same device and dtype, over
+the pinned backup mapped into the device's address space: moving ``p.data`` to another device would make
+autograd drop the parameter's gradient accumulator, on which DistributedDataParallel (and Megatron-Core's DDP)
+hook their gradient reduction. Discarded parameters and buffers point at meta placeholders.
 """
 
 from __future__ import annotations
@@ -27,12 +34,15 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import _dtensor as _dt
+from . import _holders
+from ._holders import Entry, Holder
 from .region import Handle, Region, _round_up
 
 __all__ = ["CATEGORIES", "POLICIES", "TrainState"]
@@ -138,6 +148,9 @@ class TrainState:
         self._hooks: list[Any] = []
         self._policy: dict[str, str] = dict.fromkeys(CATEGORIES, "keep")
         self._pending: dict[str, list[Handle]] = {c: [] for c in CATEGORIES}
+        # Holders pointed away from each category's Regions while they are paused (or until a non-blocking
+        # reload has been waited for).
+        self._away: dict[str, list[Entry]] = {c: [] for c in CATEGORIES}
         self._last: dict[str, Any] = {
             "offload_s": None,
             "reload_s": None,
@@ -162,6 +175,7 @@ class TrainState:
             if m._parameters or (buffers and m._buffers):
                 # prepend: run before FSDP's own pre-forward all-gather reads the sharded parameters
                 self._hooks.append(m.register_forward_pre_hook(self._before_forward, prepend=True))
+                self._hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
         if any(t.device.type == "cuda" for t in params):
             torch.cuda.empty_cache()  # the tensors adopted from the caching allocator are free now
 
@@ -189,6 +203,7 @@ class TrainState:
                             "parameter"
                         )
         self._params = params
+        self._param_by_id = {id(p): p for p in params}
         return params
 
     def _new_regions(self, category: str, tensors: Iterable[torch.Tensor]) -> dict[torch.device, Region]:
@@ -314,6 +329,7 @@ class TrainState:
         opt = self.optimizer
         if opt is None or self._closed or self.paused("optimizer"):
             return 0
+        self._drain(("optimizer",), host=False)  # states still pointing at the backup are not new ones
         todo: list[tuple[int, str, dict, torch.Tensor]] = []
         sharded: list[tuple[int, str, torch.Tensor]] = []
         live: set[tuple[int, str]] = set()
@@ -363,7 +379,7 @@ class TrainState:
     def _adopt_sharded_grads(self) -> None:
         """Move FSDP-made gradients into a Region (before offloading them), closing gradient Regions that no
         gradient lives in any more."""
-        grads = [_dt.local(p.grad) for p in self._params if _dt.is_dtensor(p.data) and p.grad is not None]
+        grads = [_dt.local(p.grad) for p in self._params if _dt.is_dtensor(p) and p.grad is not None]
         inside = {t.data_ptr() for cat, _, _, g in self._repointed if cat == "grads" for t in g}
         self._repoint("grads", _dt.storage_groups([(g, []) for g in grads if g.data_ptr() not in inside]))
         live = {g.data_ptr() for g in grads}
@@ -372,21 +388,31 @@ class TrainState:
                 self._drop_region("grads", region)
 
     # -- hooks ---------------------------------------------------------------------------------------
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        for cat in ("params", "buffers"):
+            if self._policy[cat] == "discard":
+                raise RuntimeError(
+                    f"rlmem TrainState {self.name!r}: state_dict() was called while the {cat} are discarded "
+                    f"(offload({cat}='discard')), so there are no values to save until reload() and the "
+                    f"caller's own reload of them; offload with {cat}='offload' to keep them readable"
+                )
+
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if self.paused("params"):
             raise RuntimeError(
-                f"TrainState {self.name!r}: the model was called while its parameters are offloaded "
+                f"rlmem TrainState {self.name!r}: the model was called while its parameters are offloaded "
                 f"(params={self._policy['params']!r}); call reload() first, or offload with params='keep' "
                 "if the rollout runs on the training model"
             )
         if self.paused("grads") and torch.is_grad_enabled() and self._grad_slots:
             raise RuntimeError(
-                f"TrainState {self.name!r}: the model was called with autograd on while its gradients are "
-                "offloaded; run the rollout under torch.no_grad() / torch.inference_mode(), or reload() first"
+                f"rlmem TrainState {self.name!r}: the model was called with autograd on while its gradients "
+                "are offloaded; run the rollout under torch.no_grad() / torch.inference_mode(), or reload() "
+                "first"
             )
         if self.paused("buffers"):
             raise RuntimeError(
-                f"TrainState {self.name!r}: the model was called while its buffers are offloaded; "
+                f"rlmem TrainState {self.name!r}: the model was called while its buffers are offloaded; "
                 "call reload() first, or offload with buffers='keep'"
             )
 
@@ -421,6 +447,10 @@ class TrainState:
             for h in self._pending[cat]:
                 h.synchronize() if host else h.wait()
             self._pending[cat] = []
+            if self._away[cat] and not self.paused(cat):
+                # Back on the device (stream-ordered: work queued from now on sees the reloaded bytes).
+                _holders.attach(self._away[cat])
+                self._away[cat] = []
 
     # -- offload / reload ----------------------------------------------------------------------------
     def paused(self, category: str) -> bool:
@@ -445,24 +475,33 @@ class TrainState:
         """Release device memory per category: ``"offload"`` (to pinned host memory), ``"discard"`` or
         ``"keep"``. Categories already offloaded are left as they are.
 
+        While a category is offloaded, the model's and optimizer's references to it (``p.data``, a kept
+        ``p.grad``, ``optimizer.state[p][k]``, buffers, FSDP2's shards) point at its bytes in the host
+        backup: reading them, ``state_dict()``, ``torch.save`` and ``save_pretrained`` give exactly what
+        training resumes from, and writes made meanwhile are what ``reload()`` brings back. On a GPU these
+        are tensors of the same device over the pinned backup mapped into its address space (a kernel reads
+        them over the link, at PCIe speed); on the host backend, CPU tensors over the backup. Calling the
+        model or ``optimizer.step()`` meanwhile is refused with a clear error.
+
         Args:
             params, grads, optimizer, buffers: the policy of each category. Discarded parameters and
-                buffers come back uninitialised (for weights the caller reloads itself); discarded gradients
-                become None (as after ``zero_grad()``); discarded optimizer states are forgotten (``step()``
-                starts from fresh state, as a new optimizer would).
+                buffers point at meta placeholders until ``reload()``, which brings them back uninitialised
+                (for weights the caller reloads itself; ``state_dict()`` meanwhile is refused); discarded
+                gradients become None (as after ``zero_grad()``); discarded optimizer states are forgotten
+                (``step()`` starts from fresh state, as a new optimizer would).
             blocking: return once the memory is released; otherwise release continues in the background
-                (``reload()`` and the next ``offload()`` wait for it).
+                (``reload()``, ``synchronize()`` and the next ``offload()`` wait for it). Either way the
+                references are re-pointed before the call returns, and on a GPU the current stream is
+                ordered after the copies (without blocking the host): work queued on it reads the kept
+                bytes, and work that does not touch the state waits for the copies too (run it on another
+                stream to overlap it with them).
 
         Raises:
-            ValueError: a policy is not one of "keep", "offload", "discard".
-            HostOutOfMemoryError: a backup could not be allocated; that category stays resident.
+            ValueError: a policy is not one of "keep", "offload", "discard", or ``params="discard"`` is
+                asked for where it cannot be honoured (see :meth:`check_policies`).
+            HostOutOfMemoryError: a backup could not be allocated; nothing has been released.
         """
-        policies = {
-            "params": check_policy("params", params),
-            "grads": check_policy("grads", grads),
-            "optimizer": check_policy("optimizer", optimizer),
-            "buffers": check_policy("buffers", buffers),
-        }
+        policies = self.check_policies(params=params, grads=grads, optimizer=optimizer, buffers=buffers)
         if not isinstance(blocking, bool):
             raise ValueError(f"blocking must be True or False, got {blocking!r}")
         self._check_open()
@@ -472,25 +511,140 @@ class TrainState:
         nbytes = 0
         if policies["grads"] == "discard" and not self.paused("grads"):
             for p in self._params:
-                if id(p) in self._grad_slots or _dt.is_dtensor(p.data):
+                if id(p) in self._grad_slots or _dt.is_dtensor(p):
                     p.grad = None
         if policies["grads"] == "offload" and not self.paused("grads"):
             self._adopt_sharded_grads()
         if policies["optimizer"] == "discard":
             self._forget_optimizer_states()
-        for cat in ("optimizer", "grads", "params", "buffers"):
+        todo = [
+            c
+            for c in ("optimizer", "grads", "params", "buffers")
+            if policies[c] != "keep"
+            and not self.paused(c)
+            and not (c == "optimizer" and policies[c] == "discard")
+        ]
+        for cat in todo:  # every backup first: a host that cannot hold them gets an error before any release
+            if policies[cat] == "offload":
+                for region in self._regions[cat]:
+                    region.reserve_backup()
+        handles: list[tuple[str, Handle]] = []
+        for cat in todo:
             policy = policies[cat]
-            if cat == "optimizer" and policy == "discard":
-                continue
-            if policy == "keep" or self.paused(cat) or not self._regions[cat]:
+            if not self._regions[cat]:
                 continue
             for region in self._regions[cat]:
-                h = region.pause(keep=policy == "offload", blocking=blocking)
-                if not blocking:
-                    self._pending[cat].append(h)
-                nbytes += region.used_bytes if policy == "offload" else 0
+                entries = self._entries(cat, region, groups=policy == "offload")
+                self._away[cat].extend(entries)
+                if policy == "offload":
+                    # Copies queued, the current stream ordered after them (no host wait), then every holder
+                    # re-pointed at the backup at once: whatever reads it from now on, on this stream, reads
+                    # the kept bytes, and no holder refers to memory the release below gives back.
+                    h = region.pause(keep=True, blocking=False)
+                    h.wait_copied()
+                    _holders.detach(entries, partial(_backup_view, region, region.device.type == "cuda"))
+                    nbytes += region.used_bytes
+                else:
+                    why = (
+                        f"rlmem: TrainState {self.name!r} discarded these {cat} "
+                        f"(offload({cat}='discard')); their values are gone until reload() and your own "
+                        f"reload of them; offload with {cat}='offload' to keep them readable"
+                    )
+                    _holders.detach(entries, partial(_holders.placeholder, why))
+                    h = region.pause(keep=False, blocking=False)
+                handles.append((cat, h))
             self._policy[cat] = policy
+        for cat, h in handles:
+            if blocking:
+                h.wait()
+            else:
+                self._pending[cat].append(h)
         self._last.update(offload_s=time.perf_counter() - t0 if blocking else None, offload_bytes=nbytes)
+
+    def check_policies(
+        self, *, params: str = "keep", grads: str = "keep", optimizer: str = "keep", buffers: str = "keep"
+    ) -> dict[str, str]:
+        """Validate an offload request for this model; returns the policies by category.
+
+        ``params="discard"`` points parameters at meta placeholders, so it is refused where that would
+        break something: FSDP2/DTensor parameters (PyTorch cannot move FSDP's sharded storage to another
+        device), models wrapped in DistributedDataParallel (a parameter whose data changes device gets a new
+        gradient accumulator, and DDP's reduction hooks stay on the old one), and ``grads="offload"`` (a
+        gradient must live on its parameter's device).
+
+        Raises:
+            ValueError: naming the category and what to use instead.
+        """
+        pol = {
+            "params": check_policy("params", params),
+            "grads": check_policy("grads", grads),
+            "optimizer": check_policy("optimizer", optimizer),
+            "buffers": check_policy("buffers", buffers),
+        }
+        if pol["params"] == "discard":
+            why = None
+            if any(_dt.is_dtensor(p) for p in self._params):
+                why = "its parameters are DTensors (FSDP2), whose sharded storage cannot be a placeholder"
+            elif any(isinstance(m, nn.parallel.DistributedDataParallel) for m in self.model.modules()):
+                why = (
+                    "it is wrapped in DistributedDataParallel, which hooks autograd's gradient accumulators; "
+                    "a placeholder on another device would replace them and DDP would stop reducing gradients"
+                )
+            elif pol["grads"] == "offload":
+                why = "grads='offload' keeps gradients, which must stay on their parameter's device"
+            if why is not None:
+                raise ValueError(
+                    f"params='discard' is not available for TrainState {self.name!r}: {why}; "
+                    "use params='offload' (or 'keep')"
+                )
+        return pol
+
+    def _entries(self, cat: str, region: Region, *, groups: bool) -> list[Entry]:
+        """Every holder of ``region``'s views, one entry per view, sorted by offset. ``groups``: include the
+        storages re-pointed for DTensors (offload only: they cannot point at a meta placeholder)."""
+        found: dict[int, Entry] = {}
+
+        def entry(view: torch.Tensor) -> Entry:
+            e = found.get(id(view))
+            if e is None:
+                start, extent = region._byte_span(view)
+                e = found[id(view)] = Entry(view, start, start + extent)
+            return e
+
+        if cat == "params":
+            for p in self._params:
+                slot = self._param_slots.get(id(p))
+                if slot is not None and slot.region is region:
+                    entry(slot.view).holders.append(Holder(lambda p=p: p, partial(_holders.put_param, p)))
+        elif cat == "grads":
+            for p in self._params:
+                slot = self._grad_slots.get(id(p))
+                if slot is not None and slot.region is region:
+                    entry(slot.view).holders.append(Holder(lambda p=p: p.grad, partial(setattr, p, "grad")))
+        elif cat == "buffers":
+            for m, n, slot in self._buffer_slots:
+                if slot.region is region:
+                    entry(slot.view).holders.append(
+                        Holder(lambda m=m, n=n: m._buffers.get(n), partial(m._buffers.__setitem__, n))
+                    )
+        elif self.optimizer is not None:
+            opt = self.optimizer
+            in_groups = {id(t) for _, _, _, g in self._repointed for t in g}
+            for (pid, k), slot in self._state_slots.items():
+                p = self._param_by_id.get(pid)
+                if p is None or slot.region is not region or id(slot.view) in in_groups:
+                    continue
+                entry(slot.view).holders.append(
+                    Holder(
+                        lambda p=p, k=k: opt.state.get(p, {}).get(k),
+                        partial(_put_state, opt, p, k),
+                    )
+                )
+        if groups:
+            for c, r, flat, g in self._repointed:
+                if c == cat and r is region:
+                    entry(flat).holders.append(Holder(None, partial(_repoint_flat, g)))
+        return sorted(found.values(), key=lambda e: e.start)
 
     def _forget_optimizer_states(self) -> None:
         # Discarding optimizer states means forgetting them: step() then starts from fresh state, as a new
@@ -503,17 +657,20 @@ class TrainState:
             if id(p) in adopted:
                 del opt.state[p]
         self._state_slots.clear()
-        for region in self._regions["optimizer"]:
-            region.close()
-        self._regions["optimizer"].clear()
+        for region in list(self._regions["optimizer"]):
+            self._drop_region("optimizer", region)
 
     def reload(self, *, blocking: bool = False) -> None:
         """Bring offloaded categories back: parameters first, optimizer states last.
 
+        Every reference that was pointed at the backup (and still is) is pointed back at the same device
+        addresses as before the offload, so views and CUDA graphs taken in the train phase stay valid.
+
         With ``blocking=False`` the copies run on a dedicated stream: the current stream is ordered after
         the parameter, buffer and gradient copies (so a forward queued now starts as soon as the weights are
-        in), and ``optimizer.step()`` waits for the optimizer states, and only it (``optimizer.state_dict()``
-        and :meth:`synchronize` wait too; reading ``optimizer.state`` directly before either does not).
+        in), and ``optimizer.step()`` waits for the optimizer states, and only it. Until then (or until
+        ``optimizer.state_dict()`` or :meth:`synchronize`) ``optimizer.state`` keeps pointing at the backup,
+        which holds the same values.
 
         Raises:
             OutOfMemoryError: the device cannot take a category back; categories already back stay back, the
@@ -525,18 +682,20 @@ class TrainState:
         self._drain(CATEGORIES, host=False)
         t0 = time.perf_counter()
         nbytes = 0
-        for cat in CATEGORIES:
-            if not self.paused(cat):
-                continue
-            for region in self._regions[cat]:
-                if region.paused:
-                    h = region.resume(blocking=blocking)
-                    nbytes += region.stats().last_resume_bytes
-                    if not blocking:
-                        self._pending[cat].append(h)
-            self._policy[cat] = "keep"
-        if not blocking:
-            self._drain(("params", "buffers", "grads"), host=False)  # stream-ordered, no host wait
+        try:
+            for cat in CATEGORIES:
+                if not self.paused(cat):
+                    continue
+                for region in self._regions[cat]:
+                    if region.paused:
+                        h = region.resume(blocking=blocking)
+                        nbytes += region.stats().last_resume_bytes
+                        if not blocking:
+                            self._pending[cat].append(h)
+                self._policy[cat] = "keep"
+        finally:
+            # Holders go back once their bytes are ordered (non-blocking: on the current stream).
+            self._drain(CATEGORIES if blocking else ("params", "buffers", "grads"), host=False)
         self._last.update(reload_s=time.perf_counter() - t0 if blocking else None, reload_bytes=nbytes)
 
     def reserve_backups(
@@ -625,3 +784,18 @@ class TrainState:
         self._grad_slots.clear()
         self._state_slots.clear()
         self._buffer_slots.clear()
+
+
+def _backup_view(region: Region, mapped: bool, e: Entry) -> torch.Tensor:
+    return region._backup_view(e.view, e.start, e.end - e.start, mapped)
+
+
+def _put_state(opt: torch.optim.Optimizer, p: nn.Parameter, key: str, t: torch.Tensor) -> None:
+    st = opt.state.get(p)
+    if st is not None:
+        st[key] = t
+
+
+def _repoint_flat(group: list[torch.Tensor], flat: torch.Tensor) -> None:
+    # The backup mirrors the Region's layout, so the flat starts at the same byte offset in either storage.
+    _dt.repoint(group, flat, src_byte_offset=flat.storage_offset())

@@ -1,7 +1,8 @@
 """Two-rank DDP or FSDP2 training with and without TrainState offload between steps; rank 0 writes the
-losses and a parameter checksum.
+losses and a parameter checksum, and whether the state read while offloaded (sharded and full state dicts,
+the optimizer's) equalled the state before.
 
-Run as a script (tests call it in a fresh process): python tests/_dist.py ddp|fsdp BACKEND DEVICE OUT
+Run as a script (tests call it in a fresh process): python tests/_dist.py ddp|fsdp BACKEND DEVICE OUT [WORLD]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rlmem import TrainState
 
 
 def wrap(kind: str, model: torch.nn.Module, rank: int, device: str) -> torch.nn.Module:
+    world = torch.distributed.get_world_size()
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[rank] if device.startswith("cuda") else None
@@ -32,14 +34,39 @@ def wrap(kind: str, model: torch.nn.Module, rank: int, device: str) -> torch.nn.
     from torch.distributed.fsdp import fully_shard
 
     model.mix = torch.nn.Parameter(model.mix.detach().contiguous())  # FSDP2 shards contiguous params only
-    mesh = init_device_mesh(device.split(":")[0], (2,))
+    mesh = init_device_mesh(device.split(":")[0], (world,))
     for layer in (model.up, model.down, model.frozen):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def train(kind: str, rank: int, device: str, offload: bool, grads: str) -> list[float]:
+def _local(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
+    return v
+
+
+def _readable(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, object]:
+    """What a user reads for a checkpoint: the sharded state dict, the full one (a collective for FSDP2) and
+    the optimizer's, as CPU tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    out: dict[str, object] = {f"sharded {k}": _local(v) for k, v in model.state_dict().items()}
+    out.update({f"full {k}": _local(v) for k, v in full.items()})
+    for i, st in opt.state_dict()["state"].items():
+        out.update({f"opt {i}.{k}": _local(v) for k, v in st.items()})
+    return out
+
+
+def _same(a: dict[str, object], b: dict[str, object]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(x, b[k]) if isinstance(x, torch.Tensor) else x == b[k] for k, x in a.items()
+    )
+
+
+def train(kind: str, rank: int, device: str, offload: bool, grads: str, touched: list[bool]) -> list[float]:
     model = make(0, device, mixed=False)
     wrapped = wrap(kind, model, rank, device)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
@@ -56,9 +83,11 @@ def train(kind: str, rank: int, device: str, offload: bool, grads: str) -> list[
         dist.all_reduce(t)
         losses.append(t.item())
         if st is not None:
+            want = _readable(wrapped, opt)
             st.offload(params="offload", grads=grads, optimizer="offload", blocking=step % 2 == 0)
             if step % 2 == 0:  # a blocking offload has released everything by now
                 assert all(r.resident_bytes == 0 for c in ("params", "optimizer") for r in st.regions(c))
+            touched.append(_same(_readable(wrapped, opt), want))  # at once, a non-blocking release in flight
             st.reload(blocking=step % 2 == 1)
     if st is not None:
         st.synchronize()
@@ -78,12 +107,19 @@ def worker(rank: int, world: int, kind: str, backend: str, device_kind: str, por
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        res = {}
+        res: dict[str, object] = {}
         for grads in ("discard", "offload"):
+            touched: list[bool] = []
             res[grads] = {
-                "ref": train(kind, rank, device, False, grads),
-                "got": train(kind, rank, device, True, grads),
+                "ref": train(kind, rank, device, False, grads, touched),
+                "got": train(kind, rank, device, True, grads, touched),
+                "touched": touched,
             }
+        model = wrap(kind, make(0, device, mixed=False), rank, device)
+        try:
+            TrainState(model, None).offload(params="discard")
+        except ValueError as e:
+            res["discard_refused"] = str(e)
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(res, f)
@@ -93,9 +129,10 @@ def worker(rank: int, world: int, kind: str, backend: str, device_kind: str, por
 
 if __name__ == "__main__":
     kind, backend, device_kind, out = sys.argv[1:5]
+    world = int(sys.argv[5]) if len(sys.argv) > 5 else 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, kind, backend, device_kind, port, out), nprocs=2, join=True)
+    mp.spawn(worker, args=(world, kind, backend, device_kind, port, out), nprocs=world, join=True)
     with open(out) as f:
         print(f.read())

@@ -167,7 +167,8 @@ def test_a_saved_checkpoint_and_gradient_checkpointing(tmp_path):
 def test_dynamic_batching_same_losses_as_fixed_micro_batches(tmp_path):
     # The loss is normalised by the mini-batch's response tokens, so how the mini-batch is cut into
     # micro-batches changes only the order of float sums: the first step (same rollout) agrees closely.
-    kw = dict(kl_coef=0.1, updates_per_step=2, micro_batch_size=8, steps=2)
+    # In fp32 on the CPU: under bf16 autocast other shapes round differently (3.6e-4 seen on an H100).
+    kw = dict(kl_coef=0.1, updates_per_step=2, micro_batch_size=8, steps=2, device="cpu")
     fixed = _short(tmp_path, "fixed", **kw)
     dyn = _short(tmp_path, "dyn", dynamic_batching=True, max_tokens_per_micro_batch=64, **kw)
     assert dyn["rewards"][0] == fixed["rewards"][0]

@@ -411,3 +411,88 @@ def test_concurrent_callers_are_serialised(device):
     r.resume()
     assert not errors
     assert torch.equal(x.cpu(), torch.arange(1 << 20, dtype=torch.int32))
+
+
+def test_host_view_reads_and_writes_the_kept_bytes(device):
+    r = _small_chunk_region(device)
+    tensors = [r.empty(s, d) for s, d in SHAPES_DTYPES]
+    for i, t in enumerate(tensors):
+        fill_random(t, i)
+    ref = [t.cpu().clone() for t in tensors]
+    r.pause()
+    for t, want in zip(tensors, ref, strict=True):
+        h = r.host_view(t)
+        assert h.device.type == "cpu" and h.shape == t.shape and h.stride() == t.stride()
+        assert same_bytes(h, want)
+        m = r.host_view(t, mapped=True)  # on a GPU: the same bytes as a tensor of the device
+        assert m.device == t.device and same_bytes(m.cpu(), want)
+    # Views of views: a slice and a transposed view of a matrix.
+    mat = tensors[4]
+    assert same_bytes(r.host_view(mat[3:9, ::2]), ref[4][3:9, ::2])
+    assert same_bytes(r.host_view(mat.t()), ref[4].t())
+    # Each has a storage of its own: torch.save writes that tensor's bytes alone, dtypes may differ.
+    assert r.host_view(tensors[0]).untyped_storage().nbytes() == tensors[0].nbytes
+    r.host_view(tensors[1]).fill_(2.5)  # a write during the pause is what resume brings back
+    r.resume()
+    assert torch.all(tensors[1] == 2.5)
+    assert all(same_bytes(t, w) for t, w in zip(tensors[2:], ref[2:], strict=True))
+
+
+def test_host_view_refuses_what_it_cannot_give(device):
+    r = Region(4 << 20, device, name="hv")
+    t = r.empty(100, torch.float32)
+    with pytest.raises(RuntimeError, match="resident: read the tensor itself"):
+        r.host_view(t)
+    r.pause(keep=False)
+    with pytest.raises(RuntimeError, match="were not kept"):
+        r.host_view(t)
+    r.resume()
+    r.pause()
+    with pytest.raises(ValueError, match="does not lie in region 'hv'"):
+        r.host_view(torch.zeros(100, device=device))
+    with pytest.raises(ValueError, match=r"tensor must be a torch\.Tensor"):
+        r.host_view([1, 2])
+    with pytest.raises(TypeError, match="mapped must be True or False"):
+        r.host_view(t, mapped=1)
+    r.close()
+    with pytest.raises(RegionClosedError):
+        r.host_view(t)
+
+
+def test_host_view_waits_for_a_pause_in_flight(device):
+    r = _small_chunk_region(device, 64 << 20)
+    t = r.empty(16 << 20, torch.float32)
+    fill_random(t, 3)
+    want = t.cpu().clone()
+    r.pause(blocking=False)
+    assert same_bytes(r.host_view(t), want)
+
+
+def test_nonblocking_pause_orders_a_stream_after_its_copies(device):
+    r = _small_chunk_region(device, 64 << 20)
+    t = r.empty(16 << 20, torch.float32)
+    t.copy_(torch.randn(16 << 20))
+    want = t.cpu() * 3
+    h = r.pause(blocking=False)
+    h.wait_copied()  # no host wait: the current stream waits for the copies to the backup
+    got = r._backup_view(t, t.data_ptr() - r.data_ptr, t.nbytes, True) * 3  # queued on that stream
+    assert torch.equal(got.cpu(), want)
+    h.wait()
+    assert r.resident_bytes == 0
+
+
+@pytest.mark.cuda
+def test_mapped_view_outlives_the_region_safely():
+    held = rlmem.host_memory_held()["pinned"]
+    r = Region(8 << 20, "cuda", name="outlive")
+    t = r.empty(1 << 20, torch.float32)
+    t.copy_(torch.randn(1 << 20))
+    want = t.cpu() * 2
+    r.pause()
+    m = r.host_view(t, mapped=True)
+    r.close()  # frees the backup, but a device tensor still points at it: it stays registered
+    assert torch.equal((m * 2).cpu(), want)  # a kernel reads it
+    assert rlmem.host_memory_held()["pinned"] > held
+    del m
+    gc.collect()
+    assert rlmem.host_memory_held()["pinned"] == held

@@ -91,11 +91,11 @@ def test_rollout_device_memory_is_baseline_plus_one_percent():
     assert out["after"] - out["base"] >= out["state"]
 
 
-def _dist(kind: str, backend: str, device: str, tmp_path) -> dict:
+def _dist(kind: str, backend: str, device: str, tmp_path, world: int = 2) -> dict:
     out = tmp_path / f"{kind}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_dist.py"), kind, backend, device, str(out)],
+        [sys.executable, str(ROOT / "tests" / "_dist.py"), kind, backend, device, str(out), str(world)],
         capture_output=True,
         text=True,
         env=env,
@@ -109,7 +109,9 @@ def _dist(kind: str, backend: str, device: str, tmp_path) -> dict:
 def test_two_ranks_on_gloo_match_without_offload(kind, tmp_path):
     res = _dist(kind, "gloo", "cpu", tmp_path)
     for grads in ("discard", "offload"):
-        assert res[grads]["got"] == res[grads]["ref"], grads
+        assert res[grads]["got"] == res[grads]["ref"], grads  # after reading the offloaded state, too
+        assert res[grads]["touched"] == [True] * 5, grads  # read while offloaded: what it was before
+    assert ("DTensors" if kind == "fsdp" else "DistributedDataParallel") in res["discard_refused"]
 
 
 @pytest.mark.gpus(2)
@@ -118,3 +120,15 @@ def test_two_gpus_on_nccl_match_without_offload(kind, tmp_path):
     res = _dist(kind, "nccl", "cuda", tmp_path)
     for grads in ("discard", "offload"):
         assert res[grads]["got"] == res[grads]["ref"], grads
+        assert res[grads]["touched"] == [True] * 5, grads
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_one_gpu_on_nccl_matches_without_offload(kind, tmp_path):
+    """FSDP2's sharded storage and DDP's hooks on a GPU: the re-pointing machinery of the two-GPU test, on the
+    one GPU every lent machine has."""
+    res = _dist(kind, "nccl", "cuda", tmp_path, world=1)
+    for grads in ("discard", "offload"):
+        assert res[grads]["got"] == res[grads]["ref"], grads
+        assert res[grads]["touched"] == [True] * 5, grads

@@ -152,6 +152,11 @@ def run(
 ) -> dict[str, Any]:
     """Measure every figure for each size; returns the JSON payload (without writing it)."""
     rows: list[dict[str, Any]] = []
+    # Warm-up: one throwaway cycle first, so that one-time costs of the process (PyTorch's copy threads,
+    # ~1 MiB of host RSS the first time a large copy runs) are not counted against the first Region measured.
+    _region_cycles(
+        _random_bytes(1 << 20, device), device, cycles=1, discard_cycles=1, chunk_bytes=None, gap_s=0
+    )
     for size in sizes_gib:
         n = int(size * _GiB)
         src = _random_bytes(n, device)
