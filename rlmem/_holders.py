@@ -52,7 +52,7 @@ class Entry:
 
 
 def _points_at(cur: object, t: torch.Tensor) -> bool:
-    return (
+    return cur is t or (
         isinstance(cur, torch.Tensor)
         and cur.device == t.device
         and cur.dtype == t.dtype

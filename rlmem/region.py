@@ -396,6 +396,11 @@ class Region:
         """
         _check_flag("keep", keep)
         _check_flag("blocking", blocking)
+        return self._pause(keep, blocking)
+
+    def _pause(self, keep: bool, blocking: bool, then: Callable[[Handle], None] | None = None) -> Handle:
+        """``pause()``, calling ``then(handle)`` on this thread once the copies are queued (its
+        ``wait_copied()`` usable) and before any memory is released."""
         with self._lock:
             self._check_open()
             op = self._op
@@ -420,12 +425,15 @@ class Region:
             self._paused = True
             self._last_pause = {"kept": keep, "bytes": 0, "s": None}
             events = self._copy_out(saved, after)
+            handle = Handle("pause", device=self._device)
+            handle._copied = events[saved[-1]] if saved else None
+            if then is not None:
+                then(handle)
             if blocking:
                 self._release_work(events, after, t0)
-                return Handle("pause")
-            handle = self._start_op("pause", self._release_work, events, after, t0)
-            handle._copied = events[saved[-1]] if saved else None
-            return handle
+                handle._copied = None
+                return handle
+            return self._start_op("pause", self._release_work, events, after, t0, handle=handle)
 
     def _copy_out(self, saved: list[int], after: Any) -> dict[int, Any]:
         """Queue (GPU) or make (host) the copies of saved chunks to the backup; returns their events."""
@@ -676,10 +684,12 @@ class Region:
             raise
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def _start_op(self, kind: str, fn: Callable[..., Any], *args: Any) -> Handle:
+    def _start_op(
+        self, kind: str, fn: Callable[..., Any], *args: Any, handle: Handle | None = None
+    ) -> Handle:
         """Run ``fn(*args)`` on a worker thread as the Region's operation in flight; the next operation
         joins it first (``_settle``)."""
-        handle = Handle(kind, device=self._device)
+        handle = handle or Handle(kind, device=self._device)
         thread = threading.Thread(
             target=self._run_worker, args=(handle, fn, *args), name=f"rlmem-{kind}-{self.name}", daemon=True
         )

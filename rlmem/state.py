@@ -151,6 +151,8 @@ class TrainState:
         # Holders pointed away from each category's Regions while they are paused (or until a non-blocking
         # reload has been waited for).
         self._away: dict[str, list[Entry]] = {c: [] for c in CATEGORIES}
+        # Holders by (region, with DTensor groups): the same every cycle until the adopted state changes.
+        self._entry_cache: dict[tuple[int, bool], list[Entry]] = {}
         self._last: dict[str, Any] = {
             "offload_s": None,
             "reload_s": None,
@@ -212,6 +214,7 @@ class TrainState:
     def _new_regions_for(
         self, category: str, sizes_in: Iterable[tuple[torch.device, int]]
     ) -> dict[torch.device, Region]:
+        self._entry_cache.clear()
         sizes: dict[torch.device, int] = defaultdict(int)
         for dev, n in sizes_in:
             sizes[dev] += _round_up(max(n, 1), _ALIGN)
@@ -363,6 +366,7 @@ class TrainState:
         # A Region whose every view was replaced (load_state_dict) holds nothing live: give it back.
         for key in [k for k in self._state_slots if k not in live]:
             del self._state_slots[key]
+            self._entry_cache.clear()
         used = {id(s.region) for s in self._state_slots.values()}
         for region in [r for r in self._regions["optimizer"] if id(r) not in used]:
             self._drop_region("optimizer", region)
@@ -372,6 +376,7 @@ class TrainState:
         return adopted
 
     def _drop_region(self, category: str, region: Region) -> None:
+        self._entry_cache.clear()
         region.close()
         self._regions[category].remove(region)
         self._repointed = [r for r in self._repointed if r[1] is not region]
@@ -444,13 +449,20 @@ class TrainState:
         """Finish the operations in flight of ``categories``: ordered on the current stream, or with the
         host blocked (``host=True``; a checkpoint must read the states, not memory a reload is filling)."""
         for cat in categories:
+            back = bool(self._away[cat]) and not self.paused(cat)
+            if back and host:
+                # The host waits below before anything can read them: re-point while the copies run.
+                self._attach(cat)
             for h in self._pending[cat]:
                 h.synchronize() if host else h.wait()
             self._pending[cat] = []
-            if self._away[cat] and not self.paused(cat):
-                # Back on the device (stream-ordered: work queued from now on sees the reloaded bytes).
-                _holders.attach(self._away[cat])
-                self._away[cat] = []
+            if back and not host:
+                # Stream-ordered: work queued from now on sees the reloaded bytes.
+                self._attach(cat)
+
+    def _attach(self, cat: str) -> None:
+        _holders.attach(self._away[cat])
+        self._away[cat] = []
 
     # -- offload / reload ----------------------------------------------------------------------------
     def paused(self, category: str) -> bool:
@@ -534,30 +546,33 @@ class TrainState:
             if not self._regions[cat]:
                 continue
             for region in self._regions[cat]:
-                entries = self._entries(cat, region, groups=policy == "offload")
-                self._away[cat].extend(entries)
                 if policy == "offload":
-                    # Copies queued, the current stream ordered after them (no host wait), then every holder
-                    # re-pointed at the backup at once: whatever reads it from now on, on this stream, reads
-                    # the kept bytes, and no holder refers to memory the release below gives back.
-                    h = region.pause(keep=True, blocking=False)
-                    h.wait_copied()
-                    _holders.detach(entries, partial(_backup_view, region, region.device.type == "cuda"))
+                    # Once the copies are queued: the current stream ordered after them (no host wait), then
+                    # every holder re-pointed at the backup while they run, so whatever reads it from now on,
+                    # on this stream, reads the kept bytes. Only then may the release begin.
+                    entries = self._entries(cat, region, groups=True)
+                    away = partial(_backup_view, region, region.device.type == "cuda")
+
+                    def then(h: Handle, entries: list[Entry] = entries, away: Any = away) -> None:
+                        h.wait_copied()
+                        _holders.detach(entries, away)
+
+                    h = region._pause(True, blocking, then)
                     nbytes += region.used_bytes
                 else:
+                    entries = self._entries(cat, region, groups=False)
                     why = (
                         f"rlmem: TrainState {self.name!r} discarded these {cat} "
                         f"(offload({cat}='discard')); their values are gone until reload() and your own "
                         f"reload of them; offload with {cat}='offload' to keep them readable"
                     )
                     _holders.detach(entries, partial(_holders.placeholder, why))
-                    h = region.pause(keep=False, blocking=False)
+                    h = region.pause(keep=False, blocking=blocking)
+                self._away[cat].extend(entries)
                 handles.append((cat, h))
             self._policy[cat] = policy
-        for cat, h in handles:
-            if blocking:
-                h.wait()
-            else:
+        if not blocking:
+            for cat, h in handles:
                 self._pending[cat].append(h)
         self._last.update(offload_s=time.perf_counter() - t0 if blocking else None, offload_bytes=nbytes)
 
@@ -601,7 +616,11 @@ class TrainState:
 
     def _entries(self, cat: str, region: Region, *, groups: bool) -> list[Entry]:
         """Every holder of ``region``'s views, one entry per view, sorted by offset. ``groups``: include the
-        storages re-pointed for DTensors (offload only: they cannot point at a meta placeholder)."""
+        storages re-pointed for DTensors (offload only: they cannot point at a placeholder)."""
+        key = (id(region), groups)
+        cached = self._entry_cache.get(key)
+        if cached is not None:
+            return cached
         found: dict[int, Entry] = {}
 
         def entry(view: torch.Tensor) -> Entry:
@@ -644,7 +663,8 @@ class TrainState:
             for c, r, flat, g in self._repointed:
                 if c == cat and r is region:
                     entry(flat).holders.append(Holder(None, partial(_repoint_flat, g)))
-        return sorted(found.values(), key=lambda e: e.start)
+        out = self._entry_cache[key] = sorted(found.values(), key=lambda e: e.start)
+        return out
 
     def _forget_optimizer_states(self) -> None:
         # Discarding optimizer states means forgetting them: step() then starts from fresh state, as a new
@@ -657,6 +677,7 @@ class TrainState:
             if id(p) in adopted:
                 del opt.state[p]
         self._state_slots.clear()
+        self._entry_cache.clear()
         for region in list(self._regions["optimizer"]):
             self._drop_region("optimizer", region)
 
