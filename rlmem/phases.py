@@ -37,8 +37,10 @@ class OffloadConfig:
 
     Args:
         offload_during_rollout: the single switch; off by default, and then nothing is adopted or moved.
-        params: ``"offload"`` (to pinned host memory), ``"discard"`` (weights the caller reloads itself, e.g.
-            synced from the rollout engine) or ``"keep"`` (the rollout runs on the training model).
+        params: ``"offload"`` (to pinned host memory; the model stays readable during rollout, for a
+            checkpoint or a weight sync, see :meth:`TrainState.offload`), ``"discard"`` (weights the caller
+            reloads itself, e.g. synced from the rollout engine) or ``"keep"`` (the rollout runs on the
+            training model).
         grads: default ``"discard"`` (gradients become None, as after ``zero_grad()``).
         optimizer: default ``"offload"``.
         buffers: default ``"keep"``; anything else adopts the model's buffers too.
