@@ -24,7 +24,8 @@ optimizer (``state_dict()``, ``torch.save``, ``save_pretrained``, norms) gives e
 from, and writes are what reload brings back. On a GPU they stay tensors of the same device and dtype, over
 the pinned backup mapped into the device's address space: moving ``p.data`` to another device would make
 autograd drop the parameter's gradient accumulator, on which DistributedDataParallel (and Megatron-Core's DDP)
-hook their gradient reduction. Discarded parameters and buffers point at meta placeholders.
+hook their gradient reduction. Discarded parameters and buffers point at placeholders of the same device,
+dtype and shape that hold no memory and raise an error naming rlmem on any use of their values.
 """
 
 from __future__ import annotations
@@ -497,8 +498,10 @@ class TrainState:
 
         Args:
             params, grads, optimizer, buffers: the policy of each category. Discarded parameters and
-                buffers point at meta placeholders until ``reload()``, which brings them back uninitialised
-                (for weights the caller reloads itself; ``state_dict()`` meanwhile is refused); discarded
+                buffers become placeholders (same device, dtype and shape, no memory; any use of their
+                values raises an error naming rlmem) until ``reload()``, which brings them back
+                uninitialised (for weights the caller reloads itself; ``state_dict()`` meanwhile is
+                refused); discarded
                 gradients become None (as after ``zero_grad()``); discarded optimizer states are forgotten
                 (``step()`` starts from fresh state, as a new optimizer would).
             blocking: return once the memory is released; otherwise release continues in the background
@@ -510,7 +513,7 @@ class TrainState:
 
         Raises:
             ValueError: a policy is not one of "keep", "offload", "discard", or ``params="discard"`` is
-                asked for where it cannot be honoured (see :meth:`check_policies`).
+                asked for FSDP2 parameters (see :meth:`check_policies`).
             HostOutOfMemoryError: a backup could not be allocated; nothing has been released.
         """
         policies = self.check_policies(params=params, grads=grads, optimizer=optimizer, buffers=buffers)
@@ -581,11 +584,9 @@ class TrainState:
     ) -> dict[str, str]:
         """Validate an offload request for this model; returns the policies by category.
 
-        ``params="discard"`` points parameters at meta placeholders, so it is refused where that would
-        break something: FSDP2/DTensor parameters (PyTorch cannot move FSDP's sharded storage to another
-        device), models wrapped in DistributedDataParallel (a parameter whose data changes device gets a new
-        gradient accumulator, and DDP's reduction hooks stay on the old one), and ``grads="offload"`` (a
-        gradient must live on its parameter's device).
+        ``params="discard"`` is refused for FSDP2 (DTensor) parameters: their sharded storage, which FSDP
+        all-gathers from, can be re-pointed only at real memory of the same device (the backup), not at a
+        placeholder; offload them instead.
 
         Raises:
             ValueError: naming the category and what to use instead.
@@ -596,22 +597,12 @@ class TrainState:
             "optimizer": check_policy("optimizer", optimizer),
             "buffers": check_policy("buffers", buffers),
         }
-        if pol["params"] == "discard":
-            why = None
-            if any(_dt.is_dtensor(p) for p in self._params):
-                why = "its parameters are DTensors (FSDP2), whose sharded storage cannot be a placeholder"
-            elif any(isinstance(m, nn.parallel.DistributedDataParallel) for m in self.model.modules()):
-                why = (
-                    "it is wrapped in DistributedDataParallel, which hooks autograd's gradient accumulators; "
-                    "a placeholder on another device would replace them and DDP would stop reducing gradients"
-                )
-            elif pol["grads"] == "offload":
-                why = "grads='offload' keeps gradients, which must stay on their parameter's device"
-            if why is not None:
-                raise ValueError(
-                    f"params='discard' is not available for TrainState {self.name!r}: {why}; "
-                    "use params='offload' (or 'keep')"
-                )
+        if pol["params"] == "discard" and any(_dt.is_dtensor(p) for p in self._params):
+            raise ValueError(
+                f"params='discard' is not available for TrainState {self.name!r}: its parameters are "
+                "DTensors (FSDP2), whose sharded storage cannot be a placeholder; use params='offload' "
+                "(or 'keep')"
+            )
         return pol
 
     def _entries(self, cat: str, region: Region, *, groups: bool) -> list[Entry]:

@@ -116,6 +116,7 @@ def worker(rank: int, world: int, kind: str, backend: str, device_kind: str, por
                 "touched": touched,
             }
         model = wrap(kind, make(0, device, mixed=False), rank, device)
+        res["discard_refused"] = ""
         try:
             TrainState(model, None).offload(params="discard")
         except ValueError as e:

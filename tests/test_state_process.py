@@ -111,7 +111,10 @@ def test_two_ranks_on_gloo_match_without_offload(kind, tmp_path):
     for grads in ("discard", "offload"):
         assert res[grads]["got"] == res[grads]["ref"], grads  # after reading the offloaded state, too
         assert res[grads]["touched"] == [True] * 5, grads  # read while offloaded: what it was before
-    assert ("DTensors" if kind == "fsdp" else "DistributedDataParallel") in res["discard_refused"]
+    if kind == "fsdp":  # FSDP's sharded storage cannot be a placeholder
+        assert "DTensors" in res["discard_refused"]
+    else:
+        assert res["discard_refused"] == ""
 
 
 @pytest.mark.gpus(2)
