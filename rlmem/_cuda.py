@@ -131,12 +131,10 @@ def host_device_pointer(ptr: int, index: int) -> int:
         return int(call("cuMemHostGetDevicePointer", ptr, 0))
 
 
-def mapped_tensor(ptr: int, nbytes: int, index: int, owner: object) -> torch.Tensor:
-    """A uint8 tensor of device ``index`` over ``nbytes`` of registered host memory at ``ptr``; it keeps
-    ``owner`` alive."""
-    t = torch.as_tensor(
-        _CudaArray(host_device_pointer(ptr, index), nbytes, owner), device=torch.device("cuda", index)
-    )
+def mapped_tensor(device_ptr: int, nbytes: int, index: int, owner: object) -> torch.Tensor:
+    """A uint8 tensor of device ``index`` over ``nbytes`` of registered host memory at the device address
+    ``device_ptr`` (see :func:`host_device_pointer`); it keeps ``owner`` alive."""
+    t = torch.as_tensor(_CudaArray(device_ptr, nbytes, owner), device=torch.device("cuda", index))
     assert t.device.index == index
     return t
 
@@ -212,13 +210,9 @@ class CudaBackend:
             self._ptr = int(call("cuMemAddressReserve", nbytes, self.granularity, 0, 0))
         self._size = nbytes
 
-    def base_tensor(self) -> torch.Tensor:
-        """A uint8 tensor over the whole range; call once the range is mapped (torch reads the pointer's
-        device from the mapping)."""
-        return self.tensor_at(0, self._size)
-
     def tensor_at(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor with a storage of its own over ``nbytes`` at ``offset`` of the mapped range."""
+        """A uint8 tensor with a storage of its own over ``nbytes`` at ``offset``; call once that part of the
+        range is mapped (torch reads the pointer's device from the mapping)."""
         t = torch.as_tensor(_CudaArray(self._ptr + offset, nbytes, self), device=self.device)
         assert t.data_ptr() == self._ptr + offset and t.device == self.device
         return t

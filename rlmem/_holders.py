@@ -3,7 +3,7 @@
 A :class:`~rlmem.TrainState` category lives in Regions, and the model and optimizer refer to its tensors
 through *holders*: ``p.data``, ``p.grad``, ``optimizer.state[p][k]``, ``module._buffers[name]``, and the
 tensors FSDP2 keeps over a sharded storage. While a Region is paused its memory is released, so before that
-memory goes every holder is pointed *away*: at the tensor's bytes in the host backup (offload) or at a meta
+memory goes every holder is pointed *away*: at the tensor's bytes in the host backup (offload) or at a
 placeholder (discard). After the Region is resumed they are pointed back at the same Region views, so
 addresses never change across a cycle. A holder that something else has re-bound meanwhile (``zero_grad()``
 setting ``p.grad`` to None, ``optimizer.load_state_dict`` replacing a state) is left as it is.

@@ -34,11 +34,7 @@ class HostBackend:
         # hides pages from RSS while shared memory keeps them.
         self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._size = nbytes
-
-    def base_tensor(self) -> torch.Tensor:
-        assert self._map is not None
-        self._base = torch.frombuffer(self._map, dtype=torch.uint8)
-        return self._base
+        self._base = torch.frombuffer(self._map, dtype=torch.uint8)  # what the copies read and write
 
     def tensor_at(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor with a storage of its own over ``nbytes`` at ``offset``."""

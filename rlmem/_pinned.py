@@ -112,8 +112,11 @@ class HostBuffer:
         self.nbytes = nbytes
         self.pinned = pinned = device_index is not None
         self._index = device_index
-        self._pins: weakref.WeakSet[_Pin] = weakref.WeakSet()
+        # The owner of the device views made so far: at most one is alive (a new one is made only once the
+        # last is gone). Held weakly: the views own the pin and the pin owns this buffer; a strong reference
+        # here would be a cycle through C++ that the garbage collector cannot see.
         self._pin: weakref.ref[_Pin] | None = None
+        self._device_ptr: int | None = None
         self._free_pending = False
         try:
             self._map: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -161,19 +164,20 @@ class HostBuffer:
         from . import _cuda
 
         assert self._index is not None
-        pin = self._pin() if self._pin is not None else None
+        pin = self._live_pin()
         if pin is None:
             pin = _Pin(self)
-            self._pins.add(pin)
-            # Held weakly: the tensors own the pin and the pin owns this buffer; a strong reference here
-            # would be a cycle through C++ that the garbage collector cannot see.
             self._pin = weakref.ref(pin)
-        return _cuda.mapped_tensor(self.ptr + offset, nbytes, self._index, pin)
+        if self._device_ptr is None:
+            self._device_ptr = _cuda.host_device_pointer(self.ptr, self._index)
+        return _cuda.mapped_tensor(self._device_ptr + offset, nbytes, self._index, pin)
+
+    def _live_pin(self) -> _Pin | None:
+        return self._pin() if self._pin is not None else None
 
     def _pin_gone(self, pin: _Pin) -> None:
-        # Called from the pin's __del__, which runs before its weak references are cleared.
-        self._pins.discard(pin)
-        if self._free_pending and not len(self._pins):
+        # Called from the last device view's pin as it goes: a free() deferred for it can happen now.
+        if self._free_pending:
             self._free_pending = False
             self._release()
 
@@ -190,8 +194,7 @@ class HostBuffer:
         """Unregister and unmap the buffer (idempotent). Deferred while device views of it are alive."""
         if self._map is None or self._free_pending:
             return
-        self._pin = None
-        if len(self._pins):
+        if self._live_pin() is not None:
             self._free_pending = True
             return
         self._release()

@@ -256,7 +256,6 @@ class Region:
             backend.destroy()  # no tensor exists yet: the address range can go at once
             raise
         self._state = [_MAPPED] * len(self._chunks)
-        self._base = backend.base_tensor()
         self._ptr = backend.ptr
         self._used = 0
         self._paused = False
@@ -763,7 +762,6 @@ class Region:
                 self._backup.free()
                 self._backup = None
             self._resume_done = None
-            self._base = None  # type: ignore[assignment]
 
     def __enter__(self) -> Region:
         return self

@@ -606,7 +606,7 @@ class TrainState:
         return pol
 
     def _entries(self, cat: str, region: Region, *, groups: bool) -> list[Entry]:
-        """Every holder of ``region``'s views, one entry per view, sorted by offset. ``groups``: include the
+        """Every holder of ``region``'s views, one entry per view. ``groups``: include the
         storages re-pointed for DTensors (offload only: they cannot point at a placeholder)."""
         key = (id(region), groups)
         cached = self._entry_cache.get(key)
@@ -654,7 +654,7 @@ class TrainState:
             for c, r, flat, g in self._repointed:
                 if c == cat and r is region:
                     entry(flat).holders.append(Holder(None, partial(_repoint_flat, g)))
-        out = self._entry_cache[key] = sorted(found.values(), key=lambda e: e.start)
+        out = self._entry_cache[key] = list(found.values())
         return out
 
     def _forget_optimizer_states(self) -> None:
