@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from rlmem._cuda import CudaBackend, call, context
 from rlmem.benchmarks._common import environment, format_table, machine_name, median, write_json
+from rlmem.memory._cuda import CudaBackend, call, context
 
 
 def cycle(backend, ptr, size, chunk, one_access, gap_s):

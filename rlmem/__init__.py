@@ -21,17 +21,14 @@ Public API:
 """
 
 from . import comm
-from ._pinned import host_memory_held
-from .activations import ActivationOffloader, offload_activations
-from .batching import token_budget_batches
-from .checkpointing import CheckpointHandle, checkpoint
+from .activations import ActivationOffloader, CheckpointHandle, ModuleMap, checkpoint, offload_activations
+from .data import token_budget_batches
 from .errors import CudaError, HostOutOfMemoryError, OutOfMemoryError, RegionClosedError
-from .modmap import ModuleMap
-from .phases import Engine, OffloadConfig, PhaseManager
+from .memory import Handle, Region, RegionStats
+from .memory._pinned import host_memory_held
+from .monitor import MemoryLeakWarning, MemoryTimeline
 from .plan import Hardware, MemoryEstimate, ModelShape, PlanOptions, Workload, estimate_memory, recommend
-from .region import Handle, Region, RegionStats
-from .state import TrainState
-from .timeline import MemoryLeakWarning, MemoryTimeline
+from .train import Engine, OffloadConfig, PhaseManager, TrainState
 
 __version__ = "0.1.0"
 

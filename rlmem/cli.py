@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return importlib.import_module(f".benchmarks.{argv[1]}", __package__).main(argv[2:])
     if argv[0] == "plan":
-        from . import plan
+        from .plan.cli import main as main_plan
 
-        return plan.main(argv[1:])
+        return main_plan(argv[1:])
     args, rest = p.parse_known_args(argv)
     if args.command == "report" and not rest:
         from .recipes import grpo

@@ -6,12 +6,6 @@ import torch
 
 __all__ = ["CudaError", "HostOutOfMemoryError", "OutOfMemoryError", "RegionClosedError"]
 
-_GiB = float(1 << 30)
-
-
-def _gib(n: int) -> str:
-    return f"{n / _GiB:.3f} GiB"
-
 
 class OutOfMemoryError(torch.OutOfMemoryError):
     """Device memory could not be obtained (a resume, or a new Region).

@@ -29,7 +29,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import rlmem
-from rlmem import _nccl, comm
+from rlmem import comm
+from rlmem.comm import _nccl
+from rlmem.comm._suspend import registry
 
 MiB = 1 << 20
 
@@ -137,7 +139,7 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         device = "cpu"
-        comm._driver = HostDriver(can_suspend=mode != "host-rebuild")
+        registry.driver = HostDriver(can_suspend=mode != "host-rebuild")
     method = "rebuild" if mode == "cuda-rebuild" else "auto"
     res["method"] = method
     original = dist.ProcessGroup.__dict__["allreduce"]
@@ -149,7 +151,7 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
         world_pg = dist.group.WORLD
         groups = [world_pg, mine, pair]
         check_collectives(rank, world, groups, device)
-        drv = comm._get_driver()
+        drv = registry.get_driver()
         res["nccl"] = drv.describe
         res["can_suspend"] = drv.can_suspend
         if mode.startswith("cuda"):
@@ -174,7 +176,7 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
                 drv.rebuild_ids = []
         stats0 = comm.memory_stats()
         res["groups"] = sorted(stats0)
-        res["suspendable"] = {k: v.get("suspendable_bytes") for k, v in stats0.items()}
+        res["suspendable"] = {k: v.suspendable_bytes for k, v in stats0.items()}
         res["cycles"] = []
         for i in range(cycles):
             free0 = torch.cuda.mem_get_info()[0] if mode.startswith("cuda") else None
@@ -185,13 +187,13 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
                 res.setdefault("warnings", []).extend(str(w.message) for w in caught)
             else:
                 s = comm.suspend(method=method)
-            res.setdefault("methods", []).append(s["method"])
+            res.setdefault("methods", []).append(s.method)
             again = comm.suspend(method=method)  # idempotent: nothing left to suspend
             if i == 0:
-                res["first_freed"] = {k: v["freed_bytes"] for k, v in comm.memory_stats().items()}
-            assert again["groups"] == [], again
+                res["first_freed"] = {k: v.freed_bytes for k, v in comm.memory_stats().items()}
+            assert again.groups == [], again
             st = comm.memory_stats()
-            assert all(v["suspended"] for v in st.values()), st
+            assert all(v.suspended for v in st.values()), st
             if i == 0:
                 res["guard"] = expect_error(
                     lambda: dist.all_reduce(torch.ones(4, device=device), group=pair),
@@ -207,20 +209,20 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
                 res["warnings"].extend(str(w.message) for w in caught)
             else:
                 r = comm.resume()
-            assert comm.suspended() == [] and comm.resume()["groups"] == []
+            assert comm.suspended() == [] and comm.resume().groups == []
             check_collectives(rank, world, groups, device)
             res["cycles"].append(
                 {
-                    "suspend_s": s["seconds"],
-                    "resume_s": r["seconds"],
-                    "freed_bytes": s["freed_bytes"],
-                    "taken_bytes": r["taken_bytes"],
+                    "suspend_s": s.seconds,
+                    "resume_s": r.seconds,
+                    "freed_bytes": s.freed_bytes,
+                    "taken_bytes": r.taken_bytes,
                     "free_rise": None if free0 is None else free1 - free0,
                 }
             )
         res["methods_restored"] = dist.ProcessGroup.__dict__["allreduce"] is original
-        res["guard_removed"] = comm._originals == {}
-        res["rebuilt_objects"] = sum(comm._now(g) is not g for g in groups)
+        res["guard_removed"] = registry.originals == {}
+        res["rebuilt_objects"] = sum(registry.now(g) is not g for g in groups)
         # PhaseManager: the train phase's groups sleep during rollout.
         model = torch.nn.Linear(8, 8, device=device)
         pm = rlmem.PhaseManager(
@@ -233,7 +235,7 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
         with pm.train():
             res["train_suspended"] = comm.suspended()
             check_collectives(rank, world, [pair], device)
-        res["stats"] = comm.memory_stats(pair)
+        res["stats"] = {k: v.as_dict() for k, v in comm.memory_stats(pair).items()}
         if mode.startswith("host"):
             res["calls_head"] = drv.calls[:4]
             res["distinct_backends_seen"] = len({id(b) for b in getattr(drv, "rebuild_ids", None) or []})

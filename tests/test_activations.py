@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import rlmem
-from rlmem import _actplan
 from rlmem.activations import ActivationOffloader
+from rlmem.activations import _budget as _actplan
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -90,12 +90,12 @@ def test_gradients_bit_equal_per_name(kind, names, device):
     got = run(model, off)
     assert_same(ref, got)
     st = off.stats()
-    assert st["offloaded_bytes"] > 0
+    assert st.offloaded_bytes > 0
     # attn_proj's input may be core_attn's output (one storage, counted once, under core_attn).
-    assert set(names) - {"attn_proj"} <= set(st["by_name"]) <= set(names)
-    used = st["reloaded_prefetched"] + st["reloaded_on_demand"] + st["served_resident"]
-    assert used >= st["offloaded_tensors"]
-    assert st["held_elsewhere_bytes"] == 0  # every offloaded storage was really let go on the device
+    assert set(names) - {"attn_proj"} <= set(st.by_name) <= set(names)
+    used = st.reloaded_prefetched + st.reloaded_on_demand + st.served_resident
+    assert used >= st.offloaded_tensors
+    assert st.held_elsewhere_bytes == 0  # every offloaded storage was really let go on the device
 
 
 def test_moe_routing_and_expert_scopes_offload_the_expert_inputs():
@@ -104,8 +104,8 @@ def test_moe_routing_and_expert_scopes_offload_the_expert_inputs():
     run(model, off)
     st = off.stats()
     # One gathered token block per expert hit per layer: the routed inputs of the first expert matmul.
-    assert st["offloaded_tensors"] >= 3
-    assert st["by_name"]["expert_fc1"] > 0
+    assert st.offloaded_tensors >= 3
+    assert st.by_name["expert_fc1"] > 0
 
 
 class Views(nn.Module):
@@ -161,7 +161,7 @@ def test_views_in_place_and_tuple_outputs(device):
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
     st = holder["off"].stats()
-    assert st["dedup_hits"] >= 2  # a and b: one copy of h's storage per block
+    assert st.dedup_hits >= 2  # a and b: one copy of h's storage per block
 
 
 def _modified_after_forward(device, ctx_fn, slow=False):
@@ -259,8 +259,8 @@ def test_defers_to_torch_checkpoint_hooks():
     ref, _ = grads(None)
     got, off = grads(DENSE)
     assert_same(ref, got)
-    assert off.stats()["deferred_scopes"] > 0
-    assert off.stats()["offloaded_bytes"] == 0
+    assert off.stats().deferred_scopes > 0
+    assert off.stats().offloaded_bytes == 0
 
 
 def test_min_bytes_keeps_small_tensors():
@@ -268,7 +268,7 @@ def test_min_bytes_keeps_small_tensors():
     off = rlmem.offload_activations(model, DENSE, min_bytes=1 << 30)
     run(model, off)
     st = off.stats()
-    assert st["offloaded_bytes"] == 0 and st["kept_small"] > 0
+    assert st.offloaded_bytes == 0 and st.kept_small > 0
 
 
 def test_disabled_handle_is_a_no_op():
@@ -276,7 +276,7 @@ def test_disabled_handle_is_a_no_op():
     ref = run(make("qwen2"))
     off = rlmem.offload_activations(model, DENSE, enabled=False)
     assert_same(ref, run(model, off))
-    assert off.stats()["offloaded_bytes"] == 0
+    assert off.stats().offloaded_bytes == 0
     assert not model.model.layers[0].input_layernorm._forward_pre_hooks
 
 
@@ -312,9 +312,9 @@ def test_checkpoint_with_offload_offloads_inputs(kind, device):
     off = rlmem.offload_activations(model, DENSE, min_bytes=0)
     assert_same(ref, run(model, off))
     st = off.stats()
-    assert st["by_name"] == {"checkpoint_input": st["offloaded_bytes"]}
-    assert st["offloaded_tensors"] == 3  # one hidden state per layer
-    assert st["held_elsewhere_bytes"] == 0  # nothing else (the replay closure) keeps the inputs
+    assert st.by_name == {"checkpoint_input": st.offloaded_bytes}
+    assert st.offloaded_tensors == 3  # one hidden state per layer
+    assert st.held_elsewhere_bytes == 0  # nothing else (the replay closure) keeps the inputs
 
 
 def test_checkpoint_drops_the_kv_cache_in_training():
@@ -335,13 +335,13 @@ def test_soak_pool_and_memory_do_not_grow(device):
     pools, mem = [], []
     for _ in range(200):
         run(model, off)
-        pools.append(off.stats()["pool_bytes"])
+        pools.append(off.stats().pool_bytes)
         if device == "cuda":
             mem.append(torch.cuda.memory_allocated())
     assert len(set(pools[1:])) == 1
     if mem:
         assert max(mem[10:]) <= mem[10]
-    assert off.stats()["totals"]["steps"] == 200
+    assert off.stats().totals.steps == 200
 
 
 def test_budget_auto_measures_then_offloads():
@@ -350,13 +350,13 @@ def test_budget_auto_measures_then_offloads():
     off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.5)
     assert off.names == DENSE
     first = run(model, off)
-    assert off.stats()["offloaded_bytes"] == 0 and off.plan is not None
+    assert off.stats().offloaded_bytes == 0 and off.plan is not None
     got = run(model, off)
     assert_same(ref, got)
     assert first[0] == got[0]
     plan = off.plan
     assert "budget=auto" in str(plan) and plan.reasons
-    assert off.stats()["offloaded_bytes"] == plan.offload_bytes > 0
+    assert off.stats().offloaded_bytes == plan.offload_bytes > 0
 
 
 def test_budget_bytes_offloads_until_it_fits():
@@ -392,7 +392,7 @@ def test_plan_takes_attn_proj_only_with_core_attn():
     ]
     link = dict(d2h_bytes_per_s=100.0, forward_s=5.0, step_s=10.0, activation_bytes=1020, max_overhead=0)
     plan = _actplan.choose(c, budget="auto", **link)
-    assert plan.chosen == []  # core_attn 0 cannot hide (10 s), so neither attn_proj may go
+    assert plan.chosen == ()  # core_attn 0 cannot hide (10 s), so neither attn_proj may go
     over = _actplan.choose(c, budget=10, **link)
     assert [(x.name, x.layer) for x in over.chosen] == [("core_attn", 0), ("attn_proj", 0)]
 
@@ -404,7 +404,7 @@ def test_unchosen_scopes_share_what_chosen_ones_offloaded():
     # core_attn's output again.
     off._selected = {(n, layer) for n in ("attn_norm", "core_attn", "mlp_norm") for layer in range(3)}
     assert_same(run(make("qwen2")), run(model, off))
-    assert off.stats()["held_elsewhere_bytes"] == 0
+    assert off.stats().held_elsewhere_bytes == 0
 
 
 def test_plan_models_the_waits_two_layers_behind():
@@ -452,7 +452,7 @@ def test_unknown_model_names_its_class():
 
 
 def test_module_map_globs_match_one_path_component():
-    from rlmem.modmap import find_module_map
+    from rlmem.activations.modmap import find_module_map
 
     lm = find_module_map(Net(), MAP)
     assert [p for p, _ in lm.layers] == ["blocks.0", "blocks.1"]  # not blocks.0.lin
@@ -502,7 +502,7 @@ def test_forced_stream_races_give_equal_gradients(monkeypatch):
     model = make("qwen2", "cuda")
     off = rlmem.offload_activations(model, DENSE, min_bytes=0)
     assert_same(ref, run(model, off, steps=2))
-    assert off.stats()["reloaded_bytes"] > 0
+    assert off.stats().reloaded_bytes > 0
 
 
 @pytest.mark.cuda
@@ -527,14 +527,14 @@ def test_device_memory_is_freed_during_forward():
     off = rlmem.offload_activations(model, DENSE, min_bytes=0)
     fwd_mem(off)
     held = fwd_mem(off)
-    assert held <= plain - 0.8 * off.stats()["offloaded_bytes"]
+    assert held <= plain - 0.8 * off.stats().offloaded_bytes
 
 
 @pytest.mark.cuda
 def test_memory_is_freed_in_stream_order_while_the_host_runs_ahead():
     """The allocator counts in host order and the host runs ahead of the device: copies must be released
     by stream-ordered waits, not when the host happens to see them complete."""
-    from rlmem.activations import RELEASE_LAG
+    from rlmem.activations.offloader import RELEASE_LAG
 
     layers = 6
     torch.manual_seed(0)
@@ -559,10 +559,10 @@ def test_memory_is_freed_in_stream_order_while_the_host_runs_ahead():
     forward_held(off)
     held = forward_held(off)
     st = off.stats()
-    per_layer = st["offloaded_bytes"] / layers
-    assert st["offloaded_bytes"] > 0
-    assert st["copying_at_backward_bytes"] <= RELEASE_LAG * per_layer
-    assert st["held_elsewhere_bytes"] == 0
+    per_layer = st.offloaded_bytes / layers
+    assert st.offloaded_bytes > 0
+    assert st.copying_at_backward_bytes <= RELEASE_LAG * per_layer
+    assert st.held_elsewhere_bytes == 0
     assert held <= plain - (layers - RELEASE_LAG) * per_layer
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmem import token_budget_batches
-from rlmem.batching import sequence_cost
+from rlmem.data import sequence_cost
 
 
 def _tokens(mb: list[int], lengths: list[int], padded: bool) -> int:

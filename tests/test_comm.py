@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import rlmem
-from rlmem import _nccl, comm
+from rlmem import comm
+from rlmem.comm import _nccl
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
 
+from rlmem._units import parse_bytes
 from rlmem.cli import main as cli_main
 from rlmem.recipes import _config
 from rlmem.recipes.grpo import (
@@ -80,7 +81,7 @@ def test_config_errors_name_the_key(tmp_path):
     f.write_text("steps: 7\nlr: 3e-4\nkv_budget: 64MiB\n")
     cfg = _config.load(GRPOConfig, f, ["seed=3", "lr=1e-3"])
     assert (cfg.steps, cfg.lr, cfg.seed, cfg.kv_budget) == (7, 1e-3, 3, "64MiB")
-    assert _config.parse_bytes("kv_budget", cfg.kv_budget) == 64 << 20
+    assert parse_bytes(cfg.kv_budget, "kv_budget") == 64 << 20
     with pytest.raises(SystemExit):
         cli_main(["train", "no_such_key=1"])
 

@@ -46,7 +46,7 @@ def _loop(device: str, config: OffloadConfig, steps: int = 4, prefetch: bool = F
         with pm.rollout():
             y = engine.generate(model, x)  # params="keep" in these configs: rollout on the training model
             if pm.enabled:
-                seen.append(dict(pm.state.stats()["categories"]["optimizer"]))
+                seen.append(pm.state.stats().categories["optimizer"])
         if prefetch:
             pm.prefetch()
         with pm.train():
@@ -74,7 +74,7 @@ def test_disabled_allocates_nothing_and_changes_nothing(device):
     assert pm.state is None and not pm.enabled
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     assert rlmem.host_memory_held() == held and engine.calls == []
-    assert pm.stats()["enabled"] is False
+    assert pm.stats().enabled is False
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -84,11 +84,11 @@ def test_enabled_loop_matches_disabled_loop(device, prefetch):
     got, pm, engine, seen, _ = _loop(device, on, prefetch=prefetch)
     assert got == ref
     assert engine.calls[:3] == ["wake", "sleep", "wake"]
-    assert all(s["resident_bytes"] == 0 and s["policy"] == "offload" for s in seen[1:])
+    assert all(s.resident_bytes == 0 and s.policy == "offload" for s in seen[1:])
     assert engine.kv.paused and pm.phase == "train"
     st = pm.stats()
-    assert st["switches"]["count"] == 8 and st["switches"]["rollout_s"] > 0
-    assert st["state"]["categories"]["optimizer"]["resident_bytes"] > 0
+    assert st.switches.count == 8 and st.switches.rollout_s > 0
+    assert st.state.categories["optimizer"].resident_bytes > 0
 
 
 def test_params_offloaded_rollout_on_the_training_model_is_refused(device):

@@ -91,7 +91,7 @@ def test_host_regions_never_initialise_the_cuda_driver():
     out = run_fresh(
         """
 import json, rlmem
-from rlmem import _cuda
+from rlmem.memory import _cuda
 r = rlmem.Region(1 << 20, "cpu")
 r.pause(); r.resume(); r.close()
 print(json.dumps({"initialised": _cuda._driver is not None, "contexts": len(_cuda._primary_ctx)}))

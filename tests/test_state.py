@@ -75,7 +75,7 @@ def test_offload_between_steps_is_bit_identical(device, opt_name):
     got = _train(device, opt_name, cycle=_offload_reload)
     _assert_same(ref, got)
     st = got[3]
-    assert st.stats()["categories"]["optimizer"]["regions"] >= 1
+    assert st.stats().categories["optimizer"].regions >= 1
 
 
 def test_gradient_accumulation_with_kept_gradients_offloaded(device):
@@ -140,16 +140,16 @@ def test_params_grads_and_states_live_in_regions(device):
 
 def test_offload_releases_and_reload_restores_resident_bytes(device):
     _, _, _, st, _, _ = _train(device, "adamw-foreach", cycle=lambda s, i: None, steps=1)
-    before = st.stats()["categories"]
+    before = st.stats().categories
     st.offload(params="offload", grads="discard", optimizer="offload", blocking=True)
-    cats = st.stats()["categories"]
+    cats = st.stats().categories
     for c in ("params", "grads", "optimizer"):
-        assert cats[c]["resident_bytes"] == 0 and cats[c]["policy"] != "keep"
-    assert cats["params"]["backup_bytes"] >= before["params"]["bytes"]
+        assert cats[c].resident_bytes == 0 and cats[c].policy != "keep"
+    assert cats["params"].backup_bytes >= before["params"].bytes
     st.reload(blocking=True)
-    cats = st.stats()["categories"]
-    assert all(cats[c]["resident_bytes"] == before[c]["resident_bytes"] for c in cats)
-    assert st.stats()["last"]["reload_bytes"] > 0
+    cats = st.stats().categories
+    assert all(cats[c].resident_bytes == before[c].resident_bytes for c in cats)
+    assert st.stats().last.reload_bytes > 0
 
 
 def test_lazily_created_and_replaced_states_are_adopted(device):

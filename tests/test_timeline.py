@@ -25,11 +25,11 @@ def _run(tl: MemoryTimeline, grow_per_step: int, steps: int = 8) -> None:
 def test_phases_samples_and_summary():
     tl = MemoryTimeline("cpu")
     _run(tl, 0, steps=3)
-    assert [p["name"] for p in tl.phases] == ["rollout", "train"] * 3
+    assert [p.name for p in tl.phases] == ["rollout", "train"] * 3
     assert len(tl.samples) == 12 and all(s["categories"] == {"cache": 0} for s in tl.samples)
-    assert all(p["end"] >= p["start"] for p in tl.phases)
+    assert all(p.end >= p.start for p in tl.phases)
     summ = tl.summary()
-    assert summ["train"]["count"] == 3 and "max_rss" in summ["train"]
+    assert summ["train"].count == 3 and "rss" in summ["train"].maxima
     text = tl.report()
     assert "rollout" in text and "train" in text and "cache" in text
 
@@ -50,7 +50,7 @@ def test_a_growing_category_is_reported_with_its_phase_and_rate():
         found = tl.check_leaks()
     assert any("phase 'train': cache by 4.0 MiB per step" in str(w.message) for w in rec)
     # The cache stays grown through the next rollout, so both phases report it.
-    phases = {f["phase"] for f in found if f["category"] == "cache"}
+    phases = {f.phase for f in found if f.category == "cache"}
     assert phases == {"train", "rollout"}
     assert len(rec) == len(found)
 
@@ -80,7 +80,7 @@ def test_growth_that_levels_off_is_not_a_leak():
     for step in range(20, 30):
         with tl.phase("train", step):
             held["n"] += 8 * MiB  # grows again, steadily: now it is one
-    assert [f["category"] for f in tl.leaks()] == ["kernels"]
+    assert [f.category for f in tl.leaks()] == ["kernels"]
 
 
 def test_save_load_plot_round_trip(tmp_path):
@@ -119,4 +119,4 @@ def test_device_counters_and_phase_peak():
         del x
     s0, s1 = tl.samples
     assert s0["allocated"] == s1["allocated"] and s0["free"] > 0 and s0["total"] >= s0["free"]
-    assert tl.phases[0]["peak"] >= s0["allocated"] + 256 * MiB
+    assert tl.phases[0].peak >= s0["allocated"] + 256 * MiB

@@ -65,7 +65,7 @@ def environment(device: torch.device) -> dict[str, Any]:
             "multiprocessors": props.multi_processor_count,
         }
         try:
-            from .._cuda import call
+            from ..memory._cuda import call
 
             v = int(call("cuDriverGetVersion"))
             env["versions"]["driver_cuda"] = f"{v // 1000}.{(v % 1000) // 10}"

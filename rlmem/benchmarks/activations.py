@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from .. import checkpoint as rl_checkpoint
 from .. import offload_activations
-from ..presets import QWEN2
+from .._units import GiB as _GiB
+from ..plan.presets import QWEN2
 from ._common import (
     check_targets,
     environment,
@@ -48,7 +49,6 @@ from ._common import (
 )
 
 NAME = "activations"
-_GiB = float(1 << 30)
 HEAD_TOKENS = 256
 NAMES_DENSE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
 
@@ -195,7 +195,7 @@ def _contender(name: str, model: torch.nn.Module) -> tuple[Any, Any]:
 
 
 def _all(model: torch.nn.Module) -> Any:
-    from ..modmap import find_module_map
+    from ..activations.modmap import find_module_map
 
     return offload_activations(model, find_module_map(model).names())
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .._units import GiB as _GiB
 from ._common import (
     check_targets,
     environment,
@@ -44,7 +45,6 @@ from ._common import (
 )
 
 NAME = "grpo_colocated"
-_GiB = 1 << 30
 
 
 def _gib(v: float | None) -> float | None:
@@ -73,7 +73,7 @@ def _config(args: argparse.Namespace, part: str, out_dir: str) -> Any:
         updates_per_step=1,
         precision="bf16-mixed",
         offload=part.endswith("-offload"),
-        kv_budget=int(budget * _GiB),
+        kv_budget=f"{budget}GiB",
         out_dir=out_dir,
         progress=False,
         plot=False,

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ..presets import PRESETS, build, vocab_size
+from .._units import GiB as _GiB
+from ..plan.presets import PRESETS, build, vocab_size
 from ._common import (
     check_targets,
     environment,
@@ -38,7 +39,6 @@ from ._common import (
 )
 
 NAME = "phase_switch"
-_GiB = float(1 << 30)
 
 
 def _sync(device: torch.device) -> None:
@@ -81,7 +81,7 @@ def _checksum(model: torch.nn.Module) -> float:
 
 
 def part_rlmem(preset: str, device: torch.device, cycles: int, seq: int) -> dict[str, Any]:
-    from ..phases import OffloadConfig, PhaseManager
+    from ..train.phases import OffloadConfig, PhaseManager
 
     model, opt, state_bytes = _model_and_step(preset, device, seq)
     check = _checksum(model)

@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from .. import presets
-from ..plan import DENSE_NAMES, PlanOptions, Workload, estimate_memory
+from .._units import GiB as _GiB
+from ..activations.modmap import DENSE_NAMES
+from ..plan import PlanOptions, Workload, estimate_memory, presets
 
 NAME = "plan_accuracy"
 TARGETS = {"max_abs_error_fraction": ("<=", 0.10)}
-_GiB = float(1 << 30)
 
 _ATTN = ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
 # kind, batch x seq, checkpoint one layer in ckpt, offload (True: every dense name), accum, states offload

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..region import Region
+from .._units import GiB as _GiB
+from ..memory.region import Region
 from ._common import (
     check_targets,
     environment,
@@ -34,7 +35,6 @@ from ._common import (
 )
 
 NAME = "region"
-_GiB = 1 << 30
 TARGETS = {
     "pause_vs_pinned": (">=", 0.90),
     "resume_vs_pinned": (">=", 0.90),

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from .. import presets
-from ..batching import token_budget_batches
+from .._units import GiB
+from ..data.batching import token_budget_batches
+from ..plan import presets
 
 NAME = "token_budget"
 TARGETS: dict[str, tuple[str, float]] = {}
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
                 "pad": 100 * r["padding_fraction"],
                 "s": min(r["seconds"]) if r["seconds"] and not r["oom"] else float("nan"),
                 "tps": r["tokens_per_s"] or float("nan"),
-                "peak": r["peak_allocated_bytes"] / 2**30,
+                "peak": r["peak_allocated_bytes"] / GiB,
             }
         )
     print(f"{args.model}, {len(lengths)} sequences, {real} tokens, budget {args.budget} padded tokens")

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..region import Region
+from ..memory.region import Region
+from ..plan.shapes import kv_bytes_per_token as _kv_bytes
 
 __all__ = ["HFSampler", "kv_bytes_per_token"]
 
@@ -31,9 +32,9 @@ def _kv_shape(config: Any) -> tuple[int, int, int]:
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Bytes of KV cache one token takes across all layers (keys and values)."""
+    """Bytes of KV cache one token of a ``transformers`` config takes across all layers (keys and values)."""
     layers, kv_heads, head_dim = _kv_shape(config)
-    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return _kv_bytes(layers, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
 
 
 class HFSampler:

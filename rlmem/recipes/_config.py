@@ -4,35 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-def parse_bytes(name: str, value: Any) -> int:
-    """``value`` as a byte count: an int, or a string like ``"512MiB"`` / ``"16GB"``.
-
-    Raises:
-        ValueError: naming ``name`` when the value is not a positive size.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a size like 16GiB or a number of bytes, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = _SIZE.match(str(value))
-        if not m:
-            raise ValueError(f"{name} must be a size like 16GiB or a number of bytes, got {value!r}")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-    if n <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return n
 
 
 def _yaml() -> Any:

@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import presets
-from ..batching import token_budget_batches
+from .._units import GiB, MiB, parse_bytes
+from ..data.batching import token_budget_batches
 from ..integrations.hf import HFSampler, kv_bytes_per_token
-from ..phases import OffloadConfig, PhaseManager
-from ..state import TrainState
-from ..timeline import MemoryTimeline
+from ..monitor.timeline import MemoryTimeline
+from ..plan import presets
+from ..train.phases import OffloadConfig, PhaseManager
+from ..train.state import TrainState
 from . import _config
 from .task import CharTokenizer, SortDigitsTask
 
@@ -166,7 +167,7 @@ class GRPOConfig:
             if isinstance(v, float) or (isinstance(v, str) and _is_float(v)):
                 need("kv_budget", 0 < float(v) <= 1, "bytes like '16GiB' or a fraction in (0, 1]")
             else:
-                _config.parse_bytes("kv_budget", v)
+                parse_bytes(v, "kv_budget")
 
 
 def _is_float(s: str) -> bool:
@@ -280,7 +281,7 @@ def _kv_batch(cfg: GRPOConfig, model: nn.Module, n_seqs: int, max_len: int, dtyp
         total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_total()
         budget = int(float(v) * total)
     else:
-        budget = _config.parse_bytes("kv_budget", v)
+        budget = parse_bytes(v, "kv_budget")
     if budget < per_seq:
         raise ValueError(
             f"kv_budget ({budget} bytes) holds less than one sequence of {max_len} tokens ({per_seq})"
@@ -430,7 +431,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
 
             # ---- rollout ------------------------------------------------------------------------
             with tl.phase("rollout", step) as ph_roll, pm.rollout():
-                switch_s = (pm.stats()["switches"]["rollout_s"] or 0.0) if offload else 0.0
+                switch_s = (pm.stats().switches.rollout_s or 0.0) if offload else 0.0
                 model.eval()
                 if sampler is None:  # sized once the train state has made room
                     kv_dtype = amp_dtype or param_dtype
@@ -468,7 +469,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
             with tl.phase("train", step):
                 t_train = time.perf_counter()
                 with pm.train():
-                    switch_s += (pm.stats()["switches"]["train_s"] or 0.0) if offload else 0.0
+                    switch_s += (pm.stats().switches.train_s or 0.0) if offload else 0.0
                     tl.sample("train", step)
                     model.train()
                     adv = group_advantages(rewards, cfg.group_size)
@@ -505,8 +506,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 "train_s": train_s,
                 "switch_s": switch_s,
                 "step_s": time.perf_counter() - t_step,
-                "peak_rollout": tl.phases[-2]["peak"],
-                "peak_train": tl.phases[-1]["peak"],
+                "peak_rollout": tl.phases[-2].peak,
+                "peak_train": tl.phases[-1].peak,
                 "used_rollout": _max_used(tl, "rollout", step),
                 "used_train": _max_used(tl, "train", step),
                 "kv_batch": sampler.batch_size,
@@ -670,7 +671,7 @@ def _track(
 
     def cat(name: str) -> int:
         if pm.state is not None:
-            return pm.state.stats()["categories"][name]["resident_bytes"]
+            return pm.state.stats().categories[name].resident_bytes
         if name == "params":
             return _local_bytes(model.parameters())
         if name == "grads":
@@ -686,7 +687,7 @@ def _track(
         tl.track(
             "reference",
             lambda: (
-                ref_state.stats()["categories"]["params"]["resident_bytes"]
+                ref_state.stats().categories["params"].resident_bytes
                 if ref_state is not None
                 else _local_bytes(ref.parameters())
             ),
@@ -698,7 +699,7 @@ def _track(
 
 
 def _gib(v: Any) -> str:
-    return "-" if v is None else f"{v / 2**30:.2f}"
+    return "-" if v is None else f"{v / GiB:.2f}"
 
 
 def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
@@ -754,8 +755,8 @@ def _summarize(
         "rollout_tokens_per_s_mean": mean("tokens_per_s", hist),
         "switch_s_mean": mean("switch_s", hist),
         "wall_s": sum(r["step_s"] for r in hist),
-        "phases": tl.summary(),
-        "leaks": tl.leaks(),
+        "phases": {k: v.as_dict() for k, v in tl.summary().items()},
+        "leaks": [f.as_dict() for f in tl.leaks()],
     }
 
 
@@ -809,8 +810,7 @@ def report(run_dir: str | os.PathLike[str], *, echo: Any = print, plot: bool = T
         echo(f"timeline plot: {tl.plot(d / 'memory.png', title=f'rlmem GRPO: {d.name}')}")
     for f in tl.leaks():
         echo(
-            f"warning: memory grows in phase {f['phase']!r}: {f['category']} "
-            f"{f['bytes_per_step'] / 2**20:.1f} MiB/step"
+            f"warning: memory grows in phase {f.phase!r}: {f.category} {f.bytes_per_step / MiB:.1f} MiB/step"
         )
     return 0
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import activations
+from . import offloader as activations
 from .modmap import ModuleMap, find_module_map
 
 __all__ = ["CheckpointHandle", "checkpoint"]

@@ -23,21 +23,71 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._pinned import host_memory_held
+from .._results import Result
+from .._units import GiB, MiB
+from ..memory._pinned import host_memory_held
 
-__all__ = ["MemoryLeakWarning", "MemoryTimeline"]
+__all__ = ["Leak", "MemoryLeakWarning", "MemoryTimeline", "PhaseRecord", "PhaseSummary"]
 
-_GIB = 1024**3
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class MemoryLeakWarning(UserWarning):
     """A phase's memory grows from step to step."""
+
+
+@dataclass(frozen=True)
+class PhaseRecord(Result):
+    """One phase interval: its name and step, start and end (seconds since the timeline began), the peak
+    allocated device bytes in it (None on the CPU), and what the caller noted in it (``extra``)."""
+
+    name: str
+    step: int
+    start: float
+    end: float
+    peak: int | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Leak(Result):
+    """Growth :meth:`MemoryTimeline.leaks` found: a metric (``category``) of a phase rising by
+    ``bytes_per_step`` (fitted) over ``steps`` steps."""
+
+    phase: str
+    category: str
+    bytes_per_step: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class PhaseSummary(Result):
+    """One phase over the run: intervals, seconds in all and on average, peak allocated device bytes, and
+    the largest value of every metric (``maxima``: device used/allocated/reserved, host backups, RSS, each
+    tracked category) over the samples taken in it."""
+
+    count: int
+    seconds: float
+    mean_seconds: float | None
+    peak: int | None
+    maxima: dict[str, int]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, as run summaries and benchmark results store it: ``max_<metric>`` keys."""
+        out: dict[str, Any] = {
+            "count": self.count,
+            "seconds": self.seconds,
+            "peak": self.peak,
+            "mean_seconds": self.mean_seconds,
+        }
+        out.update({f"max_{k}": v for k, v in self.maxima.items()})
+        return out
 
 
 def _rss() -> int:
@@ -85,7 +135,7 @@ class MemoryTimeline:
         self.leak_tolerance_bytes = leak_tolerance_bytes
         self.leak_warmup_steps = leak_warmup_steps
         self.samples: list[dict[str, Any]] = []
-        self.phases: list[dict[str, Any]] = []  # one per phase interval: name, step, start, end, peak
+        self.phases: list[PhaseRecord] = []  # one per phase interval
         self._sources: dict[str, Callable[[], int]] = {}
         self._t0 = time.perf_counter()
 
@@ -126,21 +176,25 @@ class MemoryTimeline:
 
     @contextmanager
     def phase(self, name: str, step: int) -> Iterator[dict[str, Any]]:
-        """Samples on entry and exit, and records the phase's peak allocated device bytes.
+        """Samples on entry and exit, and records the phase (a :class:`PhaseRecord` in :attr:`phases`) with
+        its peak allocated device bytes. Yields a dict for the caller's own figures, kept as the record's
+        ``extra``.
 
         The device's peak counter is reset on entry (``torch.cuda.reset_peak_memory_stats``).
         """
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         # The entry sample shows what the previous phase left: plotted, but not counted as this phase's.
-        rec: dict[str, Any] = {"name": name, "step": step, "start": self.sample(name, step, entry=True)["t"]}
+        start = self.sample(name, step, entry=True)["t"]
+        extra: dict[str, Any] = {}
         try:
-            yield rec
+            yield extra
         finally:
-            end = self.sample(name, step)
-            rec["end"] = end["t"]
-            rec["peak"] = torch.cuda.max_memory_allocated(self.device) if self.on_cuda else None
-            self.phases.append(rec)
+            end = self.sample(name, step)["t"]
+            peak = torch.cuda.max_memory_allocated(self.device) if self.on_cuda else None
+            self.phases.append(
+                PhaseRecord(name=name, step=step, start=start, end=end, peak=peak, extra=extra)
+            )
 
     # -- analysis ---------------------------------------------------------------------------------------
 
@@ -150,7 +204,7 @@ class MemoryTimeline:
         out.update(s.get("categories", {}))
         return out
 
-    def leaks(self) -> list[dict[str, Any]]:
+    def leaks(self) -> list[Leak]:
         """Phases whose memory at the end of the phase grows across steps by more than the tolerance.
 
         For every phase and metric (device used/allocated/reserved, host backups, RSS, each tracked category),
@@ -177,54 +231,66 @@ class MemoryTimeline:
             slope = _slope(pts)
             late = _slope(pts[len(pts) // 2 :]) if len(pts) >= 6 else slope
             if min(slope, late) > self.leak_tolerance_bytes and pts[-1][1] > pts[0][1]:
-                found.append({"phase": phase, "category": k, "bytes_per_step": slope, "steps": len(pts)})
+                found.append(Leak(phase=phase, category=k, bytes_per_step=slope, steps=len(pts)))
         return found
 
-    def check_leaks(self) -> list[dict[str, Any]]:
+    def check_leaks(self) -> list[Leak]:
         """Warn (:class:`MemoryLeakWarning`) for each growth :meth:`leaks` finds, and return them."""
         found = self.leaks()
         for f in found:
             warnings.warn(
-                f"memory grows in phase {f['phase']!r}: {f['category']} by "
-                f"{f['bytes_per_step'] / 2**20:.1f} MiB per step over {f['steps']} steps",
+                f"memory grows in phase {f.phase!r}: {f.category} by "
+                f"{f.bytes_per_step / MiB:.1f} MiB per step over {f.steps} steps",
                 MemoryLeakWarning,
                 stacklevel=2,
             )
         return found
 
-    def summary(self) -> dict[str, dict[str, Any]]:
-        """Per phase: how many intervals, mean seconds, peak allocated, and the max of every metric (over the
+    def summary(self) -> dict[str, PhaseSummary]:
+        """Per phase: how many intervals, seconds, peak allocated, and the max of every metric (over the
         samples taken in the phase; the one taken on entry shows the previous phase's memory)."""
-        out: dict[str, dict[str, Any]] = {}
+        acc: dict[str, dict[str, Any]] = {}
+
+        def entry(name: str) -> dict[str, Any]:
+            return acc.setdefault(name, {"count": 0, "seconds": 0.0, "peak": None, "maxima": {}})
+
         for rec in self.phases:
-            d = out.setdefault(rec["name"], {"count": 0, "seconds": 0.0, "peak": None})
+            d = entry(rec.name)
             d["count"] += 1
-            d["seconds"] += rec["end"] - rec["start"]
-            if rec.get("peak") is not None:
-                d["peak"] = max(d["peak"] or 0, rec["peak"])
+            d["seconds"] += rec.end - rec.start
+            if rec.peak is not None:
+                d["peak"] = max(d["peak"] or 0, rec.peak)
         for s in self.samples:
             if s.get("entry"):
                 continue
-            d = out.setdefault(s["phase"], {"count": 0, "seconds": 0.0, "peak": None})
+            mx = entry(s["phase"])["maxima"]
             for k, v in self._metrics(s).items():
-                d[f"max_{k}"] = max(d.get(f"max_{k}", 0), v)
-        for d in out.values():
-            d["mean_seconds"] = d["seconds"] / d["count"] if d["count"] else None
-        return out
+                mx[k] = max(mx.get(k, 0), v)
+        return {
+            name: PhaseSummary(mean_seconds=d["seconds"] / d["count"] if d["count"] else None, **d)
+            for name, d in acc.items()
+        }
 
     def report(self) -> str:
         """A table: one row per phase, its peak device memory and the largest value of every metric."""
         summ = self.summary()
         if not summ:
             return "(no samples)"
-        keys = ["peak", *sorted({k for d in summ.values() for k in d if k.startswith("max_")}, key=_order)]
-        biggest = max((d.get(k) or 0 for d in summ.values() for k in keys), default=0)
-        unit, unit_name = (_GIB, "GiB") if biggest >= _GIB else (1 << 20, "MiB")
-        head = ["phase", "count", "mean s", *(("peak alloc" if k == "peak" else k[4:]) for k in keys)]
+        keys = sorted({k for d in summ.values() for k in d.maxima}, key=_order)
+        biggest = max(
+            [d.peak or 0 for d in summ.values()] + [v for d in summ.values() for v in d.maxima.values()]
+        )
+        unit, unit_name = (GiB, "GiB") if biggest >= GiB else (MiB, "MiB")
+        head = ["phase", "count", "mean s", "peak alloc", *keys]
         rows = [head]
         for name, d in summ.items():
-            cells = [name, str(d["count"]), f"{d['mean_seconds']:.3f}" if d["mean_seconds"] else "-"]
-            cells += [_size(d.get(k), unit) for k in keys]
+            cells = [
+                name,
+                str(d.count),
+                f"{d.mean_seconds:.3f}" if d.mean_seconds else "-",
+                _size(d.peak, unit),
+            ]
+            cells += [_size(d.maxima.get(k), unit) for k in keys]
             rows.append(cells)
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = [
@@ -251,12 +317,12 @@ class MemoryTimeline:
             raise RuntimeError("MemoryTimeline.plot: no samples")
         t = [s["t"] for s in self.samples]
         cats = list(dict.fromkeys(k for s in self.samples for k in s.get("categories", {})))
-        stacks = [[s.get("categories", {}).get(c, 0) / _GIB for s in self.samples] for c in cats]
+        stacks = [[s.get("categories", {}).get(c, 0) / GiB for s in self.samples] for c in cats]
         labels = list(cats)
         if "used" in self.samples[0]:
             # The rest of what the device has in use: activations, PyTorch's cached blocks, the CUDA context.
             other = [
-                max(0.0, s["used"] / _GIB - sum(st[i] for st in stacks)) for i, s in enumerate(self.samples)
+                max(0.0, s["used"] / GiB - sum(st[i] for st in stacks)) for i, s in enumerate(self.samples)
             ]
             stacks.append(other)
             labels.append("other (activations, cache, context)")
@@ -264,20 +330,20 @@ class MemoryTimeline:
         if stacks:
             ax.stackplot(t, *stacks, labels=labels, step="post", alpha=0.85)
         if "used" in self.samples[0]:
-            used = [s["used"] / _GIB for s in self.samples]
+            used = [s["used"] / GiB for s in self.samples]
             ax.step(t, used, where="post", color="k", lw=1.2, label="device in use")
-            reserved = [s["reserved"] / _GIB for s in self.samples]
+            reserved = [s["reserved"] / GiB for s in self.samples]
             ax.step(t, reserved, where="post", color="0.4", lw=1, ls="--", label="PyTorch reserved")
         colors = {}
         palette = ["#dbe9f6", "#fde0c5", "#e3f1da", "#eadcf0"]
         for rec in self.phases:
-            c = colors.setdefault(rec["name"], palette[len(colors) % len(palette)])
+            c = colors.setdefault(rec.name, palette[len(colors) % len(palette)])
             for a in (ax, hx):
-                a.axvspan(rec["start"], rec["end"], color=c, zorder=0, lw=0)
+                a.axvspan(rec.start, rec.end, color=c, zorder=0, lw=0)
         ax.set_ylabel("device GiB" if "reserved" in self.samples[0] else "GiB (tracked)")
         ax.legend(loc="upper left", fontsize=8, ncol=3)
-        hx.step(t, [s["rss"] / _GIB for s in self.samples], where="post", label="process RSS")
-        hx.step(t, [s["host_backup"] / _GIB for s in self.samples], where="post", label="rlmem host backups")
+        hx.step(t, [s["rss"] / GiB for s in self.samples], where="post", label="process RSS")
+        hx.step(t, [s["host_backup"] / GiB for s in self.samples], where="post", label="rlmem host backups")
         hx.set_ylabel("host GiB")
         hx.set_xlabel("seconds (shaded: " + ", ".join(f"{n}" for n in colors) + ")")
         hx.legend(loc="upper left", fontsize=8)
@@ -298,7 +364,7 @@ class MemoryTimeline:
             for s in self.samples:
                 f.write(json.dumps({"sample": s}) + "\n")
             for rec in self.phases:
-                f.write(json.dumps({"phase": rec}) + "\n")
+                f.write(json.dumps({"phase": rec.as_dict()}) + "\n")
         return path
 
     @classmethod
@@ -320,8 +386,8 @@ class MemoryTimeline:
                 if "sample" in rec:
                     tl.samples.append(rec["sample"])
                 else:
-                    tl.phases.append(rec["phase"])
-        except (IndexError, KeyError, json.JSONDecodeError, RuntimeError) as e:
+                    tl.phases.append(PhaseRecord(**rec["phase"]))
+        except (IndexError, KeyError, TypeError, json.JSONDecodeError, RuntimeError) as e:
             raise ValueError(f"{path} is not a saved MemoryTimeline: {e}") from e
         return tl
 
@@ -335,8 +401,8 @@ def _slope(pts: list[tuple[int, int]]) -> float:
 
 
 def _order(k: str) -> tuple[int, str]:
-    fixed = ["max_used", "max_allocated", "max_reserved"]
-    tail = ["max_pinned", "max_host_backup", "max_rss"]
+    fixed = ["used", "allocated", "reserved"]
+    tail = ["pinned", "host_backup", "rss"]
     if k in fixed:
         return (0, str(fixed.index(k)))
     if k in tail:

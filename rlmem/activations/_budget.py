@@ -10,7 +10,11 @@ it, hidden or not, and says what that costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from .._results import Result
+from .._units import GiB
+from .modmap import SHARED_INPUT
 
 
 @dataclass(frozen=True)
@@ -23,13 +27,13 @@ class Candidate:
     produced_s: float
 
 
-@dataclass
-class OffloadPlan:
+@dataclass(frozen=True)
+class OffloadPlan(Result):
     """What the budget mode chose, and why. ``str(plan)`` is a short report."""
 
     budget: str
-    chosen: list[Candidate]
-    candidates: list[Candidate]
+    chosen: tuple[Candidate, ...]
+    candidates: tuple[Candidate, ...]
     d2h_bytes_per_s: float
     forward_s: float
     step_s: float
@@ -37,7 +41,7 @@ class OffloadPlan:
     allowance_s: float
     finish_s: float
     stall_s: float = 0.0
-    reasons: list[str] = field(default_factory=list)
+    reasons: tuple[str, ...] = ()
 
     @property
     def offload_bytes(self) -> int:
@@ -61,7 +65,7 @@ class OffloadPlan:
         return {k: sorted(v) for k, v in out.items()}
 
     def __str__(self) -> str:
-        gib = 2**30
+        gib = GiB
         lines = [
             f"rlmem activation offload plan (budget={self.budget})",
             f"  warm-up step {self.step_s * 1e3:.1f} ms, forward {self.forward_s * 1e3:.1f} ms, "
@@ -91,13 +95,8 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out) if xs else "none"
 
 
-# A name whose saved tensor was first saved by another name's module: offloading it without that one
-# would copy a storage the other still holds on the device (attn_proj's input is core_attn's output).
-REQUIRES = {"attn_proj": "core_attn"}
-
-
 def _allowed(c: Candidate, chosen: list[Candidate]) -> bool:
-    need = REQUIRES.get(c.name)
+    need = SHARED_INPUT.get(c.name)
     return need is None or any(x.name == need and x.layer == c.layer for x in chosen)
 
 
@@ -190,12 +189,12 @@ def choose(
                     chosen.append(c)
                     have += c.nbytes
             reasons.append(
-                f"budget {budget / 2**30:.3f} GiB needs {max(need, 0) / 2**30:.3f} GiB off the device; "
+                f"budget {budget / GiB:.3f} GiB needs {max(need, 0) / GiB:.3f} GiB off the device; "
                 f"added candidates that do not hide"
             )
             if have < need:
                 reasons.append(
-                    f"offloading every candidate still leaves {(need - have) / 2**30:.3f} GiB over the "
+                    f"offloading every candidate still leaves {(need - have) / GiB:.3f} GiB over the "
                     "budget: checkpoint layers (rlmem.checkpoint) to get under it"
                 )
         else:
@@ -207,15 +206,15 @@ def choose(
                 have += c.nbytes
             chosen = kept
             reasons.append(
-                f"budget {budget / 2**30:.3f} GiB met by {have / 2**30:.3f} GiB of copies that hide; "
+                f"budget {budget / GiB:.3f} GiB met by {have / GiB:.3f} GiB of copies that hide; "
                 "nothing more is offloaded"
             )
     finish = _drain(chosen, d2h_bytes_per_s) if chosen else 0.0
     stall = _stall(chosen, d2h_bytes_per_s, layer_starts, lag) if chosen else 0.0
     return OffloadPlan(
         budget=str(budget),
-        chosen=chosen,
-        candidates=list(candidates),
+        chosen=tuple(chosen),
+        candidates=tuple(candidates),
         d2h_bytes_per_s=d2h_bytes_per_s,
         forward_s=forward_s,
         step_s=step_s,
@@ -223,5 +222,5 @@ def choose(
         allowance_s=allowance,
         finish_s=finish,
         stall_s=stall,
-        reasons=reasons,
+        reasons=tuple(reasons),
     )

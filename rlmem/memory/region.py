@@ -24,9 +24,12 @@ from typing import Any
 
 import torch
 
+from .._checks import check_flag
+from .._units import GiB
+from ..errors import CudaError, OutOfMemoryError, RegionClosedError
 from ._host import HostBackend
 from ._pinned import HostBuffer
-from .errors import CudaError, OutOfMemoryError, RegionClosedError
+from .backend import Backend
 
 __all__ = ["Handle", "Region", "RegionStats"]
 
@@ -74,7 +77,7 @@ def _resolve_device(device: Any) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _make_backend(dev: torch.device) -> Any:
+def _make_backend(dev: torch.device) -> Backend:
     if dev.type == "cpu":
         return HostBackend()
     from ._cuda import CudaBackend
@@ -244,7 +247,7 @@ class Region:
         chunk = _round_up(chunk_bytes, gran) if chunk_bytes else _default_chunk(capacity, gran)
         chunk = min(chunk, capacity)
         self._device = dev
-        self._backend = backend
+        self._backend: Backend = backend
         self._nbytes = capacity
         self._chunk = chunk
         self._chunks = [(off, min(chunk, capacity - off)) for off in range(0, capacity, chunk)]
@@ -393,8 +396,8 @@ class Region:
             HostOutOfMemoryError: the backup cannot be allocated; nothing has been released.
             RegionClosedError: the Region is closed.
         """
-        _check_flag("keep", keep)
-        _check_flag("blocking", blocking)
+        check_flag("keep", keep)
+        check_flag("blocking", blocking)
         return self._pause(keep, blocking)
 
     def _pause(self, keep: bool, blocking: bool, then: Callable[[Handle], None] | None = None) -> Handle:
@@ -474,7 +477,7 @@ class Region:
         Raises:
             HostOutOfMemoryError: (blocking) the host cannot provide the backup.
         """
-        _check_flag("blocking", blocking)
+        check_flag("blocking", blocking)
         with self._lock:
             self._check_open()
             self._settle()
@@ -520,7 +523,7 @@ class Region:
                 (``pause(keep=False)``).
             RegionClosedError: the Region is closed.
         """
-        _check_flag("mapped", mapped)
+        check_flag("mapped", mapped)
         with self._lock:
             self._check_open()
             self._settle()
@@ -598,7 +601,7 @@ class Region:
                 Region stays paused with its backup intact, so ``resume()`` can be retried.
             RegionClosedError: the Region is closed.
         """
-        _check_flag("blocking", blocking)
+        check_flag("blocking", blocking)
         with self._lock:
             self._check_open()
             self._settle()
@@ -668,8 +671,8 @@ class Region:
                 needed = sum(self._chunks[i][1] for i in indices)
                 free, _ = backend.mem_info()
                 raise OutOfMemoryError(
-                    f"{what} of region {self.name!r} needs {needed / 2**30:.3f} GiB of device memory on "
-                    f"{self._device}, but only {free / 2**30:.3f} GiB is free"
+                    f"{what} of region {self.name!r} needs {needed / GiB:.3f} GiB of device memory on "
+                    f"{self._device}, but only {free / GiB:.3f} GiB is free"
                     + (
                         "; the region stays paused with its contents kept: "
                         "free memory and call resume() again"
@@ -804,8 +807,3 @@ def _gbps(nbytes: int, seconds: float | None) -> float | None:
     if seconds is None or nbytes == 0 or seconds <= 0:
         return None
     return nbytes / seconds / 1e9
-
-
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -23,23 +23,31 @@ Mechanics (why each is there):
 from __future__ import annotations
 
 import logging
-import threading
-import time
-import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import _actplan
-from ._actpool import HostPool
-from .modmap import NAMES, LayerMap, ModuleMap, Target, find_module_map
+from .._results import Result
+from . import _budget, _scopes
+from ._pool import HostPool
+from ._saved import Entry, Kept, Packed, eligible, storage_bytes, version_error, view_of
+from ._transfer import make_copies
+from .modmap import NAMES, LayerMap, ModuleMap, check_names, find_module_map
 
-__all__ = ["ActivationOffloader", "CHECKPOINT_INPUT", "current", "offload_activations"]
+__all__ = [
+    "CHECKPOINT_INPUT",
+    "ActivationOffloader",
+    "ActivationStats",
+    "ActivationTotals",
+    "current",
+    "offload_activations",
+]
 
 log = logging.getLogger("rlmem")
 
@@ -47,110 +55,76 @@ CHECKPOINT_INPUT = "checkpoint_input"
 # At the start of layer i, the compute stream waits for the copies of layers <= i - RELEASE_LAG and their
 # device memory is freed: one layer of compute to hide each layer's copies behind.
 RELEASE_LAG = 2
-_tls = threading.local()
+current = _scopes.current
+
+_STEP_FIELDS = (
+    "offloaded_bytes",
+    "offloaded_tensors",
+    "dedup_hits",
+    "kept_small",
+    "kept_ineligible",
+    "reloaded_bytes",
+    "reloaded_prefetched",
+    "reloaded_on_demand",
+    "served_resident",
+    "deferred_scopes",
+    "copying_at_backward_bytes",
+    "held_elsewhere_bytes",
+    "allocated_at_backward",
+    "pool_bytes",
+    "pool_peak_bytes",
+)
 
 
-def current() -> ActivationOffloader | None:
-    """The offloader whose context is active in this thread, if any (used by :func:`rlmem.checkpoint`)."""
-    stack = getattr(_tls, "stack", None)
-    return stack[-1] if stack else None
+@dataclass(frozen=True)
+class ActivationTotals(Result):
+    """Over every step so far: steps, bytes offloaded, bytes reloaded."""
+
+    steps: int
+    offloaded_bytes: int
+    reloaded_bytes: int
 
 
-class _Kept:
-    """A saved tensor left where it is; its version is checked at unpack as autograd would."""
+@dataclass(frozen=True)
+class ActivationStats(Result):
+    """What :meth:`ActivationOffloader.stats` returns: figures of the last step, and totals.
 
-    __slots__ = ("tensor", "version")
+    Attributes:
+        offloaded_bytes, offloaded_tensors: storages copied to host memory (each storage once).
+        by_name: offloaded bytes per module name.
+        dedup_hits: saved tensors that shared a storage already offloaded.
+        kept_small, kept_ineligible: saved tensors left on the device (under ``min_bytes``; parameters,
+            inputs, casts of parameters, subclasses).
+        reloaded_bytes: bytes copied back; ``reloaded_prefetched`` / ``reloaded_on_demand`` storages
+            reloaded one layer ahead / when first needed; ``served_resident`` storages whose copy had not
+            completed and were used from the device.
+        deferred_scopes: scopes left to another saved-tensor mechanism (torch checkpoint, ``save_on_cpu``).
+        copying_at_backward_bytes: offloaded bytes whose copy had not completed when backward began (still
+            on the device then); held_elsewhere_bytes: released by rlmem but referenced elsewhere (offloading
+            them freed nothing); allocated_at_backward: device bytes allocated then.
+        pool_bytes, pool_peak_bytes: host pool held, and used at most.
+        totals: over all steps.
+        plan: the budget mode's chosen layers per name, once it has chosen.
+    """
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
-        self.version = t._version
-
-
-class _Entry:
-    """One offloaded storage."""
-
-    __slots__ = (
-        "d2h_done",
-        "dev",
-        "group",
-        "host",
-        "modified",
-        "nbytes",
-        "ready",
-        "refs",
-        "reload",
-        "storage",
-        "version",
-    )
-
-    def __init__(self, nbytes: int, group: int, storage: Any, version: int) -> None:
-        self.nbytes = nbytes
-        self.group = group
-        self.storage = storage  # weak reference: the key is valid only while the storage lives
-        self.version = version
-        self.host: torch.Tensor | None = None
-        self.dev: torch.Tensor | None = None
-        self.d2h_done: torch.cuda.Event | None = None
-        self.reload: torch.Tensor | None = None
-        self.ready: torch.cuda.Event | None = None
-        self.refs = 0
-        self.modified = False
-
-
-class _Packed:
-    __slots__ = ("dtype", "entry", "gen", "offset", "ref", "size", "stride", "version")
-
-    def __init__(self, entry: _Entry, t: torch.Tensor, gen: int) -> None:
-        self.entry = entry
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.dtype = t.dtype
-        self.ref = weakref.ref(t)
-        self.version = t._version
-        self.gen = gen
-
-
-def _version_error() -> RuntimeError:
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an inplace operation "
-        "after rlmem.offload_activations saved it; the gradient would be wrong"
-    )
-
-
-def _view(buf: torch.Tensor, p: _Packed) -> torch.Tensor:
-    return torch.empty(0, dtype=p.dtype, device=buf.device).set_(
-        buf.untyped_storage(), p.offset, p.size, p.stride
-    )
-
-
-def _storage_bytes(storage: Any) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _is_param_cast(t: torch.Tensor) -> bool:
-    # Autocast's copy of a parameter lives in autocast's cache for the whole forward pass anyway.
-    fn = t.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    nxt = fn.next_functions
-    return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
-
-
-class _ParamCalls(TorchFunctionMode):
-    """Scopes the calls inside a module that take one of its parameters (fused experts' first matmul)."""
-
-    def __init__(self, off: ActivationOffloader, name: str, layer: int, ptr: int) -> None:
-        super().__init__()
-        self._off, self._name, self._layer, self._ptr = off, name, layer, ptr
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self._ptr:
-                with self._off.scope(self._name, self._layer):
-                    return func(*args, **kwargs)
-        return func(*args, **kwargs)
+    offloaded_bytes: int
+    offloaded_tensors: int
+    by_name: dict[str, int]
+    dedup_hits: int
+    kept_small: int
+    kept_ineligible: int
+    reloaded_bytes: int
+    reloaded_prefetched: int
+    reloaded_on_demand: int
+    served_resident: int
+    deferred_scopes: int
+    copying_at_backward_bytes: int
+    held_elsewhere_bytes: int
+    allocated_at_backward: int
+    pool_bytes: int
+    pool_peak_bytes: int
+    totals: ActivationTotals
+    plan: dict[str, list[int]] | None
 
 
 class ActivationOffloader:
@@ -179,105 +153,44 @@ class ActivationOffloader:
         self.max_overhead = max_overhead
         self.prefetch = prefetch
         self.layer_map = layer_map
-        self._layer_ids = {id(m) for _, m in layer_map.layers}
-        self.plan: _actplan.OffloadPlan | None = None
-        self._model_ref = weakref.ref(model)
+        self._layer_ids = {id(m) for _, m in layer_map.layers}  # read by rlmem.checkpoint
+        self.plan: _budget.OffloadPlan | None = None
         self._hooks: list[Any] = []
         self._active = False
         self._scope: list[tuple[str, int] | None] = []
         self._pushed: list[bool] = []
-        self._modes: list[TorchFunctionMode] = []
+        self._modes: list[TorchFunctionMode | None] = []
         self._gen = 0
-        self._entries: list[_Entry] = []
-        self._by_storage: dict[int, _Entry] = {}
-        self._inflight: deque[_Entry] = deque()
-        self._groups: dict[int, list[_Entry]] = {}
+        self._entries: list[Entry] = []
+        self._by_storage: dict[int, Entry] = {}
+        self._inflight: deque[Entry] = deque()
+        self._groups: dict[int, list[Entry]] = {}
         self._fetched: set[int] = set()
         self._selected: set[tuple[str, int]] | None = None
         self._measure: dict[tuple[str, int], list[Any]] | None = None
         self._seen: set[int] = set()
         self._times: dict[str, Any] = {}
-        self._h2d_fence: torch.cuda.Event | None = None
         self._totals = {"steps": 0, "offloaded_bytes": 0, "reloaded_bytes": 0}
         self._step: dict[str, Any] = self._new_step()
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._cuda = self.device.type == "cuda"
+        self._copies = make_copies(self.device)
         self._pool: HostPool | None = None
         # Bound once: the identity tells our hooks apart from other saved-tensor hooks on the stack.
         self._pack_fn = self._pack
         self._unpack_fn = self._unpack
         if not enabled:
             return
-        self._pool = HostPool(self.device.index if self._cuda else None)
-        if self._cuda:
-            from . import _cuda
-
-            self._d2h, self._h2d = _cuda.copy_streams(self.device.index or 0, role="activations")
+        self._pool = HostPool(self.device.index if self.device.type == "cuda" else None)
         if budget is not None:
             self._measure = {}
-        self._install()
+        self._hooks = _scopes.install(self)
 
-    # ----------------------------------------------------------------- hooks
-    def _install(self) -> None:
-        wanted = set(self.names)
-        chosen = [t for n in self.names for t in self.layer_map.targets.get(n, [])]
-        inside: set[int] = set()
-        for t in chosen:
-            if t.param is None:
-                inside.update(id(m) for m in t.module.modules() if m is not t.module)
-        for name, targets in self.layer_map.targets.items():
-            for t in targets:
-                if name in wanted:
-                    self._hook(t, name)
-                elif id(t.module) in inside and t.param is None:
-                    self._hook(t, None)
-        for i, (_, layer) in enumerate(self.layer_map.layers):
-            self._hooks.append(layer.register_forward_pre_hook(self._layer_start(i)))
-
-    def _hook(self, t: Target, name: str | None) -> None:
-        layer = t.layer
-        if t.param is not None:
-            pname = t.param
-
-            def pre_param(mod: nn.Module, args: Any) -> None:
-                if not self._live():
-                    self._modes.append(None)  # type: ignore[arg-type]
-                    return
-                mode = _ParamCalls(self, t.name, layer, getattr(mod, pname).untyped_storage().data_ptr())
-                mode.__enter__()
-                self._modes.append(mode)
-
-            def post_param(mod: nn.Module, args: Any, out: Any) -> None:
-                if self._modes:
-                    mode = self._modes.pop()
-                    if mode is not None:
-                        mode.__exit__(None, None, None)
-
-            self._hooks.append(t.module.register_forward_pre_hook(pre_param))
-            self._hooks.append(t.module.register_forward_hook(post_param, always_call=True))
-            return
-
-        scope = None if name is None else (name, layer)
-
-        def pre(mod: nn.Module, args: Any) -> None:
-            self._push(scope if self._live() else None)
-
-        def post(mod: nn.Module, args: Any, out: Any) -> None:
-            self._pop()
-
-        self._hooks.append(t.module.register_forward_pre_hook(pre))
-        self._hooks.append(t.module.register_forward_hook(post, always_call=True))
-
-    def _layer_start(self, i: int):  # type: ignore[no-untyped-def]
-        def pre(mod: nn.Module, args: Any) -> None:
-            if not self._live():
-                return
-            if self._measure is not None and i not in self._times.setdefault("layers", {}):
-                self._times["layers"][i] = self._mark()
-            if self._inflight and self._cuda:
-                self._release_through(i - RELEASE_LAG)
-
-        return pre
+    # ----------------------------------------------------------------- scopes
+    def _layer_started(self, i: int) -> None:
+        if self._measure is not None and i not in self._times.setdefault("layers", {}):
+            self._times["layers"][i] = self._copies.mark()
+        if self._inflight:
+            self._release_through(i - RELEASE_LAG)
 
     def _live(self) -> bool:
         # Not while backward runs: a checkpoint's recomputation needs its tensors at once.
@@ -314,16 +227,6 @@ class ActivationOffloader:
             self._pop()
 
     # ----------------------------------------------------------- pack/unpack
-    def _eligible(self, t: torch.Tensor) -> bool:
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized:
-            return False
-        if t.is_leaf or t.device != self.device:
-            return False  # parameters, buffers, inputs, constants made without grad
-        base = t._base
-        if base is not None and base.is_leaf:
-            return False  # a view of a parameter or an input
-        return not _is_param_cast(t)
-
     def _pack(self, t: torch.Tensor) -> Any:
         if self._inflight:
             self._poll()  # every saved tensor, not only chosen ones: later layers may offload nothing
@@ -335,21 +238,21 @@ class ActivationOffloader:
                 e = self._shared(t, t.untyped_storage())
                 if e is not None:
                     e.refs += 1
-                    return _Packed(e, t, self._gen)
-            return _Kept(t)
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+                    return Packed(e, t, self._gen)
+            return Kept(t)
+        if self._copies.capturing():
             raise RuntimeError(
                 "rlmem.offload_activations does not support CUDA graph capture yet: run the captured "
                 "region outside the offload context or disable offloading for it"
             )
-        if not self._eligible(t):
+        if not eligible(t, self.device):
             self._step["kept_ineligible"] += 1
-            return _Kept(t)
+            return Kept(t)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes < self.min_bytes or nbytes == 0:
             self._step["kept_small"] += 1
-            return _Kept(t)
+            return Kept(t)
         if self._measure is not None:
             key = storage.data_ptr()
             if key not in self._seen:
@@ -357,16 +260,16 @@ class ActivationOffloader:
                 rec = self._measure.setdefault(scope, [0, None])
                 rec[0] += nbytes
                 if rec[1] is None:
-                    rec[1] = self._mark()
-            return _Kept(t)
+                    rec[1] = self._copies.mark()
+            return Kept(t)
         e = self._shared(t, storage)
         if e is None:
             e = self._offload(t, storage, nbytes, scope)
             self._by_storage[storage.data_ptr()] = e
         e.refs += 1
-        return _Packed(e, t, self._gen)
+        return Packed(e, t, self._gen)
 
-    def _shared(self, t: torch.Tensor, storage: Any) -> _Entry | None:
+    def _shared(self, t: torch.Tensor, storage: Any) -> Entry | None:
         """The entry already holding ``t``'s storage, unchanged since it was copied, if any."""
         e = self._by_storage.get(storage.data_ptr())
         if e is not None and e.storage() is storage and e.version == t._version:
@@ -374,27 +277,15 @@ class ActivationOffloader:
             return e
         return None
 
-    def _offload(self, t: torch.Tensor, storage: Any, nbytes: int, scope: tuple[str, int]) -> _Entry:
+    def _offload(self, t: torch.Tensor, storage: Any, nbytes: int, scope: tuple[str, int]) -> Entry:
         assert self._pool is not None
         name, layer = scope
-        e = _Entry(nbytes, layer, weakref.ref(storage), t._version)
-        src = _storage_bytes(storage)
+        e = Entry(nbytes, layer, storage, t._version)
         host = self._pool.alloc(nbytes)
-        if self._cuda:
-            cur = torch.cuda.current_stream(self.device)
-            self._d2h.wait_stream(cur)
-            if self._h2d_fence is not None:
-                # The previous step's reloads may still read these host bytes.
-                self._d2h.wait_event(self._h2d_fence)
-                self._h2d_fence = None
-            with torch.cuda.stream(self._d2h):
-                host.copy_(src, non_blocking=True)
-                e.d2h_done = torch.cuda.Event()
-                e.d2h_done.record(self._d2h)
-            e.dev = t  # held (and its version watched) until the copy has completed
+        e.d2h_done = self._copies.copy_out(storage_bytes(storage), host)
+        if self._copies.asynchronous:
+            e.dev = t
             self._inflight.append(e)
-        else:
-            host.copy_(src)
         e.host = host
         self._entries.append(e)
         self._groups.setdefault(layer, []).append(e)
@@ -419,21 +310,19 @@ class ActivationOffloader:
             n += 1
         if not n:
             return
-        done = q[n - 1].d2h_done
-        assert done is not None
         # One wait covers them all (the copies run in order on one stream), enqueued before the memory
         # goes back to the allocator.
-        torch.cuda.current_stream(self.device).wait_event(done)
+        self._copies.order_after(q[n - 1].d2h_done)
         for _ in range(n):
             self._copied(q.popleft())
 
     def _poll(self) -> None:
         q = self._inflight
-        while q and q[0].d2h_done is not None and q[0].d2h_done.query():
+        while q and self._copies.done(q[0].d2h_done):
             self._copied(q.popleft())
 
     @staticmethod
-    def _copied(e: _Entry) -> None:
+    def _copied(e: Entry) -> None:
         """Let go of the device storage of an entry whose copy is done (or waited for)."""
         if e.dev is not None and e.dev._version != e.version:
             e.modified = True  # changed in place while its copy was in flight
@@ -442,9 +331,9 @@ class ActivationOffloader:
     def _unpack(self, p: Any) -> torch.Tensor:
         if "backward_start" not in self._times and self._active:
             self._backward_started()
-        if isinstance(p, _Kept):
+        if isinstance(p, Kept):
             if p.tensor._version != p.version:
-                raise _version_error()
+                raise version_error()
             return p.tensor
         if p.gen != self._gen:
             raise RuntimeError(
@@ -453,17 +342,17 @@ class ActivationOffloader:
             )
         orig = p.ref()
         if orig is not None and orig._version != p.version:
-            raise _version_error()
+            raise version_error()
         e = p.entry
         if self._inflight:
             self._poll()
         if e.modified or (e.dev is not None and e.dev._version != e.version):
-            raise _version_error()
+            raise version_error()
         if e.group not in self._fetched:
             self._release_after(e.group)
         buf = self._device_copy(e)
         self._prefetch_before(e.group)
-        out = _view(buf, p)
+        out = view_of(buf, p)
         e.refs -= 1
         if e.refs <= 0:
             self._drop(e)
@@ -472,7 +361,7 @@ class ActivationOffloader:
     def _backward_started(self) -> None:
         # Where the forward pass left the offloaded bytes: still on the device because the copy had not
         # completed, or released by rlmem but kept alive by another reference (then offloading frees nothing).
-        self._times["backward_start"] = self._mark()
+        self._times["backward_start"] = self._copies.mark()
         if self._inflight:
             self._poll()
         st = self._step
@@ -481,38 +370,26 @@ class ActivationOffloader:
                 st["copying_at_backward_bytes"] += e.nbytes
             elif e.storage() is not None:
                 st["held_elsewhere_bytes"] += e.nbytes
-        if self._cuda:
-            st["allocated_at_backward"] = torch.cuda.memory_allocated(self.device)
+        st["allocated_at_backward"] = self._copies.allocated()
 
-    def _device_copy(self, e: _Entry) -> torch.Tensor:
+    def _device_copy(self, e: Entry) -> torch.Tensor:
         st = self._step
         if e.dev is not None:
             st["served_resident"] += 1
-            return _storage_bytes(e.dev.untyped_storage())
+            return storage_bytes(e.dev.untyped_storage())
         if e.reload is None:
             self._reload(e)
             st["reloaded_on_demand"] += 1
         else:
             st["reloaded_prefetched"] += 1
-        if e.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(e.ready)
+        self._copies.order_after(e.ready)
         assert e.reload is not None
         return e.reload
 
-    def _reload(self, e: _Entry) -> None:
+    def _reload(self, e: Entry) -> None:
         assert e.host is not None
         buf = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
-        if self._cuda:
-            cur = torch.cuda.current_stream(self.device)
-            self._h2d.wait_stream(cur)  # buf's memory may still be read by work queued before it
-            if e.d2h_done is not None:
-                self._h2d.wait_event(e.d2h_done)
-            with torch.cuda.stream(self._h2d):
-                buf.copy_(e.host, non_blocking=True)
-                e.ready = torch.cuda.Event()
-                e.ready.record(self._h2d)
-        else:
-            buf.copy_(e.host)
+        e.ready = self._copies.copy_in(e.host, buf, e.d2h_done)
         e.reload = buf
         self._step["reloaded_bytes"] += e.nbytes
 
@@ -538,10 +415,10 @@ class ActivationOffloader:
             if e.dev is None and e.reload is None and e.refs > 0:
                 self._reload(e)
 
-    def _drop(self, e: _Entry) -> None:
-        if e.dev is not None and self._cuda and e.d2h_done is not None:
+    def _drop(self, e: Entry) -> None:
+        if e.dev is not None:
             # Its copy may still be reading it: free it in stream order after the copy.
-            torch.cuda.current_stream(self.device).wait_event(e.d2h_done)
+            self._copies.order_after(e.d2h_done)
         e.dev = None
         e.reload = None
 
@@ -551,20 +428,17 @@ class ActivationOffloader:
             return self
         if self._active:
             raise RuntimeError("this offload_activations handle is already active (nested `with`)")
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        if self._copies.capturing():
             raise RuntimeError(
                 "rlmem.offload_activations does not support CUDA graph capture yet: enter it outside "
                 "the captured region"
             )
         self._active = True
         self._step = self._new_step()
-        self._times = {"start": self._mark()}
+        self._times = {"start": self._copies.mark()}
         if self._measure is not None:
-            self._times["alloc_start"] = torch.cuda.memory_allocated(self.device) if self._cuda else 0
-        stack = getattr(_tls, "stack", None)
-        if stack is None:
-            stack = _tls.stack = []
-        stack.append(self)
+            self._times["alloc_start"] = self._copies.allocated()
+        _scopes.enter(self)
         # Outside the chosen modules the hooks only look up storages already offloaded (see _pack).
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack_fn, self._unpack_fn)
         return self
@@ -573,7 +447,7 @@ class ActivationOffloader:
         if not self.enabled or not self._active:
             return
         self._active = False
-        _tls.stack.remove(self)
+        _scopes.leave(self)
         while self._scope:
             self._pop()
         while self._modes:
@@ -586,16 +460,10 @@ class ActivationOffloader:
             self._make_plan()
 
     def _finish_step(self) -> None:
-        if self._cuda:
-            cur = torch.cuda.current_stream(self.device)
-            if self._inflight:
-                # Device copies still held are freed in stream order after their copies.
-                last = self._inflight[-1].d2h_done
-                assert last is not None
-                cur.wait_event(last)
-            fence = torch.cuda.Event()
-            fence.record(self._h2d)
-            self._h2d_fence = fence
+        if self._inflight:
+            # Device copies still held are freed in stream order after their copies.
+            self._copies.order_after(self._inflight[-1].d2h_done)
+        self._copies.end_step()
         for e in self._entries:
             e.dev = e.reload = e.host = None
         self._entries.clear()
@@ -616,115 +484,63 @@ class ActivationOffloader:
 
     @staticmethod
     def _new_step() -> dict[str, Any]:
-        return {
-            "offloaded_bytes": 0,
-            "offloaded_tensors": 0,
-            "by_name": {},
-            "dedup_hits": 0,
-            "kept_small": 0,
-            "kept_ineligible": 0,
-            "reloaded_bytes": 0,
-            "reloaded_prefetched": 0,
-            "reloaded_on_demand": 0,
-            "served_resident": 0,
-            "deferred_scopes": 0,
-            "copying_at_backward_bytes": 0,
-            "held_elsewhere_bytes": 0,
-            "allocated_at_backward": 0,
-            "pool_bytes": 0,
-            "pool_peak_bytes": 0,
-        }
+        step: dict[str, Any] = dict.fromkeys(_STEP_FIELDS, 0)
+        step["by_name"] = {}
+        return step
 
     # ---------------------------------------------------------- budget mode
-    def _mark(self) -> Any:
-        if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.current_stream(self.device))
-            return ev
-        return time.perf_counter()
-
-    def _elapsed(self, a: Any, b: Any) -> float:
-        if self._cuda:
-            return a.elapsed_time(b) / 1e3
-        return b - a
-
     def _make_plan(self) -> None:
-        assert self._measure is not None
+        assert self._measure is not None and self._pool is not None
         measured, self._measure = self._measure, None
-        times = self._times
-        end = self._mark()
-        if self._cuda:
-            torch.cuda.synchronize(self.device)  # once, after the warm-up step, to read its events
+        times, copies = self._times, self._copies
+        end = copies.mark()
+        copies.synchronize()  # once, after the warm-up step, to read its events
         start = times["start"]
-        fwd_end = times.get("backward_start", end)
-        forward_s = self._elapsed(start, fwd_end)
-        step_s = self._elapsed(start, end)
         cands = [
-            _actplan.Candidate(name, layer, nbytes, self._elapsed(start, t0))
+            _budget.Candidate(name, layer, nbytes, copies.elapsed(start, t0))
             for (name, layer), (nbytes, t0) in measured.items()
         ]
         total = sum(c.nbytes for c in cands)
-        at_backward = self._step["allocated_at_backward"]
-        act = max(0, int(at_backward - times["alloc_start"])) or total if self._cuda else total
-        rate = self._link_rate(max(min(total, 512 << 20), 1 << 20))
+        if copies.asynchronous:
+            act = max(0, int(self._step["allocated_at_backward"] - times["alloc_start"])) or total
+        else:
+            act = total
+        probe = max(min(total, 512 << 20), 1 << 20)
+        self._pool.reserve(probe)
+        rate = copies.link_rate(self._pool.alloc(probe))
+        self._pool.reset()
         budget = self.budget if self.budget == "auto" else int(self.budget)  # type: ignore[arg-type]
-        layer_starts = {i: self._elapsed(start, t) for i, t in times.get("layers", {}).items()}
-        plan = _actplan.choose(
+        layer_starts = {i: copies.elapsed(start, t) for i, t in times.get("layers", {}).items()}
+        plan = _budget.choose(
             cands,
             layer_starts=layer_starts or None,
             lag=RELEASE_LAG,
             budget=budget,
             d2h_bytes_per_s=rate,
-            forward_s=forward_s,
-            step_s=step_s,
+            forward_s=copies.elapsed(start, times.get("backward_start", end)),
+            step_s=copies.elapsed(start, end),
             activation_bytes=act,
             max_overhead=self.max_overhead,
         )
         self.plan = plan
         self._selected = {(c.name, c.layer) for c in plan.chosen}
-        if self._pool is not None and plan.offload_bytes:
+        if plan.offload_bytes:
             self._pool.reserve(plan.offload_bytes + (64 << 20))
         log.info("%s", plan)
 
-    def _link_rate(self, nbytes: int) -> float:
-        """Measured device-to-host bytes per second into this handle's host pool."""
-        assert self._pool is not None
-        self._pool.reserve(nbytes)
-        host = self._pool.alloc(nbytes)
-        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        best = float("inf")
-        for _ in range(3):
-            if self._cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                with torch.cuda.stream(self._d2h):
-                    a.record(self._d2h)
-                    host.copy_(src, non_blocking=True)
-                    b.record(self._d2h)
-                b.synchronize()
-                best = min(best, a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                host.copy_(src)
-                best = min(best, time.perf_counter() - t0)
-        self._pool.reset()
-        return nbytes / max(best, 1e-9)
-
     # ------------------------------------------------------------ reporting
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ActivationStats:
         """Figures of the last step (bytes offloaded in total and per name, storages shared by several saved
         views, tensors kept as too small or not activations, bytes reloaded and how: prefetched, on demand,
-        or still on the device; host pool bytes) and totals over all steps.
-
-        When backward starts: ``copying_at_backward_bytes`` are offloaded storages whose copy had not
-        completed (still on the device), ``held_elsewhere_bytes`` those rlmem released but something else
-        still references (offloading them freed nothing), ``allocated_at_backward`` the device bytes then.
+        or still on the device; host pool bytes) and totals over all steps; see :class:`ActivationStats`.
         """
-        out = dict(self._step)
-        out["by_name"] = dict(self._step["by_name"])
-        out["totals"] = dict(self._totals)
-        if self.plan is not None:
-            out["plan"] = self.plan.selection()
-        return out
+        st = self._step
+        return ActivationStats(
+            **{k: st[k] for k in _STEP_FIELDS},
+            by_name=dict(st["by_name"]),
+            totals=ActivationTotals(**self._totals),
+            plan=None if self.plan is None else self.plan.selection(),
+        )
 
     def remove(self) -> None:
         """Remove the module hooks and free the host pool; the handle becomes a no-op."""
@@ -788,16 +604,7 @@ def offload_activations(
     if modules is None and budget is None:
         raise ValueError("modules must list at least one of " + ", ".join(NAMES) + " (or pass budget=)")
     if modules is not None:
-        if isinstance(modules, str):
-            raise ValueError(f"modules must be a list of names, not the string {modules!r}")
-        modules = list(modules)
-        if not modules:
-            raise ValueError("modules must not be empty; valid names: " + ", ".join(NAMES))
-        unknown = [m for m in modules if m not in NAMES]
-        if unknown:
-            raise ValueError(f"modules: unknown name(s) {unknown}; valid names: {', '.join(NAMES)}")
-        if "attn_proj" in modules and "core_attn" not in modules:
-            raise ValueError("modules: 'attn_proj' requires 'core_attn' (its input is core_attn's output)")
+        modules = list(check_names(modules, "modules"))
     layer_map = find_module_map(model, module_map)
     has = layer_map.names()
     if modules is None:

@@ -41,12 +41,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._checks import check_choice, check_flag
+from .._results import Result
+from ..memory.region import Handle, Region, _round_up
 from . import _dtensor as _dt
 from . import _holders
 from ._holders import Entry, Holder
-from .region import Handle, Region, _round_up
 
-__all__ = ["CATEGORIES", "POLICIES", "TrainState"]
+__all__ = ["CATEGORIES", "POLICIES", "CategoryStats", "SwitchRecord", "TrainState", "TrainStateStats"]
 
 CATEGORIES = ("params", "buffers", "grads", "optimizer")  # also the reload order
 POLICIES = ("keep", "offload", "discard")
@@ -79,9 +81,7 @@ def _empty_like(region: Region, t: torch.Tensor) -> torch.Tensor:
 
 
 def check_policy(name: str, value: object) -> str:
-    if value not in POLICIES:
-        raise ValueError(f"{name} must be one of {', '.join(repr(p) for p in POLICIES)}; got {value!r}")
-    return value  # type: ignore[return-value]
+    return check_choice(name, value, POLICIES)
 
 
 @dataclass
@@ -90,6 +90,47 @@ class _Slot:
 
     view: torch.Tensor
     region: Region
+
+
+@dataclass(frozen=True)
+class CategoryStats(Result):
+    """One category of a :class:`TrainState` (``params``, ``grads``, ``optimizer``, ``buffers``).
+
+    Attributes:
+        bytes: bytes of the adopted tensors.
+        reserved_bytes: device addresses reserved for them (rounded up to the allocation granularity).
+        resident_bytes: bytes backed by device memory now (0 while offloaded or discarded).
+        backup_bytes: pinned host backup held for them.
+        policy: ``"keep"``, ``"offload"`` or ``"discard"``: what the last offload did to them.
+        regions: how many Regions hold them.
+    """
+
+    bytes: int
+    reserved_bytes: int
+    resident_bytes: int
+    backup_bytes: int
+    policy: str
+    regions: int
+
+
+@dataclass(frozen=True)
+class SwitchRecord(Result):
+    """The last offload and reload: seconds (None when it was non-blocking), bytes copied, and the rate."""
+
+    offload_s: float | None
+    offload_bytes: int
+    offload_gbps: float | None
+    reload_s: float | None
+    reload_bytes: int
+    reload_gbps: float | None
+
+
+@dataclass(frozen=True)
+class TrainStateStats(Result):
+    """What :meth:`TrainState.stats` returns: ``categories[name]`` and the ``last`` switch."""
+
+    categories: dict[str, CategoryStats]
+    last: SwitchRecord
 
 
 class TrainState:
@@ -134,8 +175,7 @@ class TrainState:
             raise ValueError(
                 f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
             )
-        if not isinstance(buffers, bool):
-            raise ValueError(f"buffers must be True or False, got {buffers!r}")
+        check_flag("buffers", buffers)
         self.model = model
         self.optimizer = optimizer
         self.name = name
@@ -517,8 +557,7 @@ class TrainState:
             HostOutOfMemoryError: a backup could not be allocated; nothing has been released.
         """
         policies = self.check_policies(params=params, grads=grads, optimizer=optimizer, buffers=buffers)
-        if not isinstance(blocking, bool):
-            raise ValueError(f"blocking must be True or False, got {blocking!r}")
+        check_flag("blocking", blocking)
         self._check_open()
         self._drain(CATEGORIES, host=False)
         self.adopt_optimizer_states()
@@ -688,8 +727,7 @@ class TrainState:
             OutOfMemoryError: the device cannot take a category back; categories already back stay back, the
                 rest stay offloaded and ``reload()`` can be retried after freeing memory.
         """
-        if not isinstance(blocking, bool):
-            raise ValueError(f"blocking must be True or False, got {blocking!r}")
+        check_flag("blocking", blocking)
         self._check_open()
         self._drain(CATEGORIES, host=False)
         t0 = time.perf_counter()
@@ -724,24 +762,35 @@ class TrainState:
         self._drain(CATEGORIES, host=True)
 
     # -- stats and teardown --------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> TrainStateStats:
         """Bytes per category (total, resident, host backup), the current policy, and the last switch."""
         cats = {}
         for cat in CATEGORIES:
             rs = self._regions[cat]
-            cats[cat] = {
-                "bytes": sum(r.used_bytes for r in rs),
-                "reserved_bytes": sum(r.nbytes for r in rs),
-                "resident_bytes": sum(r.resident_bytes for r in rs),
-                "backup_bytes": sum(r.backup_bytes for r in rs),
-                "policy": self._policy[cat],
-                "regions": len(rs),
-            }
-        last = dict(self._last)
+            cats[cat] = CategoryStats(
+                bytes=sum(r.used_bytes for r in rs),
+                reserved_bytes=sum(r.nbytes for r in rs),
+                resident_bytes=sum(r.resident_bytes for r in rs),
+                backup_bytes=sum(r.backup_bytes for r in rs),
+                policy=self._policy[cat],
+                regions=len(rs),
+            )
+        last = self._last
+        rates = {}
         for k in ("offload", "reload"):
             s, b = last[f"{k}_s"], last[f"{k}_bytes"]
-            last[f"{k}_gbps"] = b / s / 1e9 if s and b else None
-        return {"categories": cats, "last": last}
+            rates[k] = b / s / 1e9 if s and b else None
+        return TrainStateStats(
+            categories=cats,
+            last=SwitchRecord(
+                offload_s=last["offload_s"],
+                offload_bytes=last["offload_bytes"],
+                offload_gbps=rates["offload"],
+                reload_s=last["reload_s"],
+                reload_bytes=last["reload_bytes"],
+                reload_gbps=rates["reload"],
+            ),
+        )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import CudaError
+from ..errors import CudaError
 
 _driver: Any = None
 _lock = threading.RLock()  # copy_streams retains the primary context while holding it

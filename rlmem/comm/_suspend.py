@@ -30,22 +30,29 @@ import os
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import _comm_rebuild, _nccl
+from .._checks import check_choice
+from .._results import Result
+from .._units import MiB
+from . import _nccl
+from . import _rebuild as _comm_rebuild
 
-__all__ = ["CommFallbackWarning", "GroupSuspendedError", "memory_stats", "resume", "suspend", "suspended"]
+__all__ = [
+    "CommFallbackWarning",
+    "CommStats",
+    "GroupSuspendedError",
+    "ResumeResult",
+    "SuspendResult",
+    "memory_stats",
+    "resume",
+    "suspend",
+    "suspended",
+]
 
-_lock = threading.RLock()
-_suspended: dict[str, str] = {}  # group name -> how it was suspended ("suspend" or "rebuild"), while it is
-# id(group the program holds) -> (that group, the group object carrying its rebuilt communicators)
-_current: dict[int, tuple[Any, Any]] = {}
-_generation: dict[str, int] = {}
-_warned: set[str] = set()
-_stats: dict[str, dict[str, Any]] = {}
-_originals: dict[str, Any] = {}
 METHODS = ("auto", "suspend", "rebuild")
 # ProcessGroup methods that torch.distributed's Python API calls for each collective and point-to-point op.
 _GUARDED = (
@@ -172,14 +179,129 @@ class _Driver:
         backend.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
 
 
-_driver: Any = None
+@dataclass(frozen=True)
+class SuspendResult(Result):
+    """What :func:`suspend` did in this call: the groups it suspended (those already suspended are skipped),
+    how, in how many seconds, and the device bytes that became free."""
+
+    groups: list[str]
+    method: str
+    seconds: float
+    freed_bytes: int
 
 
-def _get_driver() -> Any:
-    global _driver
-    if _driver is None:
-        _driver = _Driver()
-    return _driver
+@dataclass(frozen=True)
+class ResumeResult(Result):
+    """What :func:`resume` did in this call: the groups it resumed, seconds, device bytes taken again."""
+
+    groups: list[str]
+    seconds: float
+    taken_bytes: int
+
+
+@dataclass(frozen=True)
+class CommStats(Result):
+    """One group, as :func:`memory_stats` reports it.
+
+    Attributes:
+        suspended: its communicators are suspended (or destroyed by the rebuild fallback) now.
+        nccl: the loaded NCCL, version and path.
+        suspendable_bytes, persistent_bytes, total_bytes: NCCL's own figures (None where the loaded NCCL
+            cannot report them, or while the group is rebuilt).
+        method: how it was last suspended (``"suspend"`` or ``"rebuild"``; None if never).
+        suspends, resumes: counts so far.
+        last_suspend_s, last_resume_s: seconds of the last calls.
+        freed_bytes: device bytes the last suspend freed.
+        rebuilds: times its communicators were built again.
+    """
+
+    suspended: bool
+    nccl: str
+    suspendable_bytes: int | None = None
+    persistent_bytes: int | None = None
+    total_bytes: int | None = None
+    method: str | None = None
+    suspends: int = 0
+    resumes: int = 0
+    last_suspend_s: float | None = None
+    last_resume_s: float | None = None
+    freed_bytes: int | None = None
+    rebuilds: int = 0
+
+
+class _Registry:
+    """Everything rlmem.comm remembers in this process, in one place, behind one lock: which groups are
+    suspended and how, the group objects carrying rebuilt communicators, per-group figures, the
+    ProcessGroup methods it wrapped while any group is suspended, and the driver (the tests swap in a
+    host-only one)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.suspended: dict[str, str] = {}  # group name -> "suspend" or "rebuild", while it is
+        # id(group the program holds) -> (that group, the group object carrying its rebuilt communicators)
+        self.current: dict[int, tuple[Any, Any]] = {}
+        self.generation: dict[str, int] = {}
+        self.warned: set[str] = set()
+        self.stats: dict[str, dict[str, Any]] = {}
+        self.originals: dict[str, Any] = {}
+        self.driver: Any = None
+
+    def get_driver(self) -> Any:
+        if self.driver is None:
+            self.driver = _Driver()
+        return self.driver
+
+    def now(self, pg: Any) -> Any:
+        """The group object carrying ``pg``'s communicators (``pg`` itself unless rebuilt)."""
+        entry = self.current.get(id(pg))
+        return pg if entry is None else entry[1]
+
+    def raw(self, name: str) -> Any:
+        import torch.distributed as dist
+
+        return self.originals.get(name) or dist.ProcessGroup.__dict__[name]
+
+    def install_guard(self) -> None:
+        # Only while a group is suspended or rebuilt: otherwise torch's methods are untouched.
+        import torch.distributed as dist
+
+        if self.originals:
+            return
+        cls = dist.ProcessGroup
+        for name in _GUARDED + _FORWARDED:
+            orig = cls.__dict__.get(name)
+            if orig is not None:
+                self.originals[name] = orig
+                setattr(cls, name, _wrap(name, orig))
+
+    def remove_guard(self) -> None:
+        import torch.distributed as dist
+
+        if self.suspended or self.current:
+            return
+        for name, orig in self.originals.items():
+            setattr(dist.ProcessGroup, name, orig)
+        self.originals.clear()
+
+    def forget(self, pg: Any) -> None:
+        # The program shut ``pg`` down: nothing of it is suspended or forwarded any more.
+        self.current.pop(id(pg), None)
+        self.suspended.pop(pg.group_name, None)
+        self.remove_guard()
+
+    def warn_once(self, kind: str, message: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            warnings.warn(message, CommFallbackWarning, stacklevel=3)
+
+    def record(self, name: str) -> dict[str, Any]:
+        return self.stats.setdefault(
+            name,
+            {"suspends": 0, "resumes": 0, "last_suspend_s": None, "last_resume_s": None, "freed_bytes": None},
+        )
+
+
+registry = _Registry()
 
 
 def _initialized() -> None:
@@ -216,97 +338,41 @@ def _resolve(group: Any, drv: Any) -> list[Any]:
     return list(out.values())
 
 
-def _now(pg: Any) -> Any:
-    """The group object carrying ``pg``'s communicators (``pg`` itself unless rebuilt)."""
-    entry = _current.get(id(pg))
-    return pg if entry is None else entry[1]
-
-
-def _raw(name: str) -> Any:
-    import torch.distributed as dist
-
-    return _originals.get(name) or dist.ProcessGroup.__dict__[name]
-
-
 def _wrap(name: str, orig: Any) -> Any:
     refuse = name in _GUARDED
     ends = name in ("shutdown", "abort")
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         gname = self.group_name
-        if gname in _suspended:
+        if gname in registry.suspended:
             if refuse:
                 raise GroupSuspendedError(
                     f"process group {gname!r} is suspended by rlmem.comm.suspend(); its collective "
                     f"{name!r} cannot run until every rank calls rlmem.comm.resume() for it"
                 )
-            if ends and _suspended[gname] == "rebuild":
+            if ends and registry.suspended[gname] == "rebuild":
                 # Its communicators are destroyed already; shutting them down again is not safe.
-                _forget(self)
+                registry.forget(self)
                 return None
-        entry = _current.get(id(self))
+        entry = registry.current.get(id(self))
         try:
             return orig(self if entry is None else entry[1], *args, **kwargs)
         finally:
             if ends and entry is not None:
-                _forget(self)
+                registry.forget(self)
 
     method.__name__ = name
     method.__doc__ = getattr(orig, "__doc__", None)
     return method
 
 
-def _install_guard() -> None:
-    # Only while a group is suspended or rebuilt: otherwise torch's methods are untouched.
-    import torch.distributed as dist
-
-    if _originals:
-        return
-    cls = dist.ProcessGroup
-    for name in _GUARDED + _FORWARDED:
-        orig = cls.__dict__.get(name)
-        if orig is not None:
-            _originals[name] = orig
-            setattr(cls, name, _wrap(name, orig))
-
-
-def _remove_guard() -> None:
-    import torch.distributed as dist
-
-    if _suspended or _current:
-        return
-    for name, orig in _originals.items():
-        setattr(dist.ProcessGroup, name, orig)
-    _originals.clear()
-
-
-def _forget(pg: Any) -> None:
-    # The program shut ``pg`` down: nothing of it is suspended or forwarded any more.
-    _current.pop(id(pg), None)
-    _suspended.pop(pg.group_name, None)
-    _remove_guard()
-
-
-def _warn_once(kind: str, message: str) -> None:
-    if kind not in _warned:
-        _warned.add(kind)
-        warnings.warn(message, CommFallbackWarning, stacklevel=3)
-
-
-def _record(name: str) -> dict[str, Any]:
-    return _stats.setdefault(
-        name,
-        {"suspends": 0, "resumes": 0, "last_suspend_s": None, "last_resume_s": None, "freed_bytes": None},
-    )
-
-
 def suspended() -> list[str]:
     """Names of the process groups this rank has suspended."""
-    with _lock:
-        return list(_suspended)
+    with registry.lock:
+        return list(registry.suspended)
 
 
-def suspend(group: Any = None, *, method: str = "auto") -> dict[str, Any]:
+def suspend(group: Any = None, *, method: str = "auto") -> SuspendResult:
     """Release the GPU memory of the NCCL communicators of ``group``, keeping the process groups.
 
     Args:
@@ -317,8 +383,8 @@ def suspend(group: Any = None, *, method: str = "auto") -> dict[str, Any]:
             build them again on resume).
 
     Returns:
-        ``{"groups": [...], "method": m, "seconds": s, "freed_bytes": n}`` for this call (device free memory
-        before and after; groups already suspended are skipped).
+        a :class:`SuspendResult` for this call (freed bytes from the device's free memory before and after;
+        groups already suspended are skipped).
 
     Raises:
         ValueError: ``group`` is not a process group, a list of them or None; a group is not NCCL; ``method``
@@ -327,15 +393,14 @@ def suspend(group: Any = None, *, method: str = "auto") -> dict[str, Any]:
             reports pending or failed work (nothing is released then); ``method="suspend"`` and the loaded
             NCCL has no suspend API (older than 2.29.7).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}; got {method!r}")
-    with _lock:
+    check_choice("method", method, METHODS)
+    with registry.lock:
         _initialized()
-        drv = _get_driver()
-        todo = [g for g in _resolve(group, drv) if g.group_name not in _suspended]
+        drv = registry.get_driver()
+        todo = [g for g in _resolve(group, drv) if g.group_name not in registry.suspended]
         use = method if method != "auto" else ("suspend" if drv.can_suspend else "rebuild")
         if not todo:
-            return {"groups": [], "method": use, "seconds": 0.0, "freed_bytes": 0}
+            return SuspendResult(groups=[], method=use, seconds=0.0, freed_bytes=0)
         if use == "suspend" and not drv.can_suspend:
             raise RuntimeError(
                 f"rlmem.comm.suspend needs NCCL >= {_nccl.version_string(_nccl.SUSPEND_VERSION)} for "
@@ -353,7 +418,7 @@ def suspend(group: Any = None, *, method: str = "auto") -> dict[str, Any]:
         drv.sync()  # what this rank queued on these groups has run
         comms = []
         for g in todo:
-            c = drv.comm(_now(g))
+            c = drv.comm(registry.now(g))
             err = drv.async_error(c)
             if err != 0:
                 raise RuntimeError(
@@ -371,9 +436,9 @@ def suspend(group: Any = None, *, method: str = "auto") -> dict[str, Any]:
                     suspendable = drv.mem_stat(c, _nccl.STAT_SUSPEND)
                     drv.suspend(c)
                 else:
-                    for b in _comm_rebuild.comm_backends(_now(g), drv, _raw("_get_backend")):
+                    for b in _comm_rebuild.comm_backends(registry.now(g), drv, registry.raw("_get_backend")):
                         drv.destroy(b)
-                rec = _record(g.group_name)
+                rec = registry.record(g.group_name)
                 rec["last_suspend_s"] = time.perf_counter() - ts
                 rec["freed_bytes"] = max(0, drv.free_bytes() - before)
                 rec["method"] = use
@@ -381,7 +446,7 @@ def suspend(group: Any = None, *, method: str = "auto") -> dict[str, Any]:
                     rec["suspendable_bytes"] = suspendable
                 rec["suspends"] += 1
                 freed += rec["freed_bytes"]
-                _suspended[g.group_name] = use
+                registry.suspended[g.group_name] = use
                 done.append(g.group_name)
                 if use == "suspend" and drv.mem_stat(c, _nccl.STAT_TOTAL) == 0:
                     warnings.warn(
@@ -390,21 +455,21 @@ def suspend(group: Any = None, *, method: str = "auto") -> dict[str, Any]:
                         stacklevel=2,
                     )
         finally:
-            if _suspended:
-                _install_guard()
+            if registry.suspended:
+                registry.install_guard()
         seconds = time.perf_counter() - t0
         if use == "rebuild" and not drv.can_suspend:
-            _warn_once(
+            registry.warn_once(
                 "suspend",
                 f"rlmem.comm: {drv.describe} cannot suspend communicators (NCCL >= "
                 f"{_nccl.version_string(_nccl.SUSPEND_VERSION)} can); destroyed those of "
-                f"{len(done)} group(s) instead in {seconds:.3f} s, freeing {freed / 2**20:.1f} MiB; resume() "
+                f"{len(done)} group(s) instead in {seconds:.3f} s, freeing {freed / MiB:.1f} MiB; resume() "
                 "builds them again",
             )
-        return {"groups": done, "method": use, "seconds": seconds, "freed_bytes": freed}
+        return SuspendResult(groups=done, method=use, seconds=seconds, freed_bytes=freed)
 
 
-def resume(group: Any = None) -> dict[str, Any]:
+def resume(group: Any = None) -> ResumeResult:
     """Bring back the communicators of suspended groups (every rank of each group calls it too).
 
     Groups suspended by NCCL's suspend are resumed in place; groups whose communicators were destroyed (the
@@ -414,15 +479,15 @@ def resume(group: Any = None) -> dict[str, Any]:
         group: as for :func:`suspend`; groups that are not suspended are skipped.
 
     Returns:
-        ``{"groups": [...], "seconds": s, "taken_bytes": n}`` for this call.
+        a :class:`ResumeResult` for this call.
 
     Raises:
         ValueError, RuntimeError: as for :func:`suspend`; an NCCL error leaves the group suspended.
     """
-    with _lock:
+    with registry.lock:
         _initialized()
-        drv = _get_driver()
-        todo = [g for g in _resolve(group, drv) if g.group_name in _suspended]
+        drv = registry.get_driver()
+        todo = [g for g in _resolve(group, drv) if g.group_name in registry.suspended]
         t0 = time.perf_counter()
         taken = 0
         done: list[str] = []
@@ -432,55 +497,54 @@ def resume(group: Any = None) -> dict[str, Any]:
                 name = g.group_name
                 before = drv.free_bytes()
                 ts = time.perf_counter()
-                if _suspended[name] == "suspend":
-                    drv.resume(drv.comm(_now(g)))
+                if registry.suspended[name] == "suspend":
+                    drv.resume(drv.comm(registry.now(g)))
                 else:
-                    gen = _generation.get(name, 0) + 1
-                    new = _comm_rebuild.rebuild(g, _now(g), gen, drv, _raw("_get_backend"))
-                    _generation[name] = gen
-                    _current[id(g)] = (g, new)
+                    gen = registry.generation.get(name, 0) + 1
+                    new = _comm_rebuild.rebuild(g, registry.now(g), gen, drv, registry.raw("_get_backend"))
+                    registry.generation[name] = gen
+                    registry.current[id(g)] = (g, new)
                     rebuilt += 1
-                rec = _record(name)
+                rec = registry.record(name)
                 rec["last_resume_s"] = time.perf_counter() - ts
                 rec["resumes"] += 1
                 taken += max(0, before - drv.free_bytes())
-                del _suspended[name]
+                del registry.suspended[name]
                 done.append(name)
         finally:
-            _remove_guard()
+            registry.remove_guard()
         seconds = time.perf_counter() - t0
         if rebuilt and not drv.can_suspend:
-            _warn_once(
+            registry.warn_once(
                 "resume",
                 f"rlmem.comm: rebuilt the communicators of {rebuilt} group(s) in {seconds:.3f} s; "
                 f"{drv.describe} cannot suspend them, NCCL >= {_nccl.version_string(_nccl.SUSPEND_VERSION)} "
                 "resumes them in place (load it with LD_PRELOAD before torch initialises NCCL)",
             )
-        return {"groups": done, "seconds": seconds, "taken_bytes": taken}
+        return ResumeResult(groups=done, seconds=seconds, taken_bytes=taken)
 
 
-def memory_stats(group: Any = None) -> dict[str, dict[str, Any]]:
-    """Per group name: NCCL's own figures where the loaded NCCL reports them (``suspendable_bytes``,
-    ``persistent_bytes``, ``total_bytes``), ``suspended``, and rlmem's (``method`` of the last suspend,
-    suspend/resume counts, seconds of the last calls, device bytes freed by the last suspend, ``rebuilds``).
+def memory_stats(group: Any = None) -> dict[str, CommStats]:
+    """Per group name, a :class:`CommStats`: NCCL's own figures where the loaded NCCL reports them, whether
+    it is suspended, and rlmem's (method of the last suspend, counts, seconds, bytes freed, rebuilds).
 
     Raises:
         ValueError, RuntimeError: as for :func:`suspend`.
     """
-    with _lock:
+    with registry.lock:
         _initialized()
-        drv = _get_driver()
-        out: dict[str, dict[str, Any]] = {}
+        drv = registry.get_driver()
+        out: dict[str, CommStats] = {}
         for g in _resolve(group, drv):
             name = g.group_name
-            entry: dict[str, Any] = {"suspended": name in _suspended, "nccl": drv.describe}
-            if drv.can_suspend and _suspended.get(name) != "rebuild":
-                c = drv.comm(_now(g))
+            entry: dict[str, Any] = {"suspended": name in registry.suspended, "nccl": drv.describe}
+            if drv.can_suspend and registry.suspended.get(name) != "rebuild":
+                c = drv.comm(registry.now(g))
                 entry["suspendable_bytes"] = drv.mem_stat(c, _nccl.STAT_SUSPEND)
                 entry["persistent_bytes"] = drv.mem_stat(c, _nccl.STAT_PERSIST)
                 entry["total_bytes"] = drv.mem_stat(c, _nccl.STAT_TOTAL)
                 entry["suspended"] = bool(drv.mem_stat(c, _nccl.STAT_SUSPENDED))
-            entry.update(_stats.get(name, {}))
-            entry["rebuilds"] = _generation.get(name, 0)
-            out[name] = entry
+            entry.update(registry.stats.get(name, {}))
+            entry["rebuilds"] = registry.generation.get(name, 0)
+            out[name] = CommStats(**entry)
         return out

@@ -15,7 +15,8 @@ import weakref
 
 import torch
 
-from .errors import HostOutOfMemoryError
+from .._units import GiB
+from ..errors import HostOutOfMemoryError
 
 _HUGE = 2 << 20
 _lock = threading.Lock()
@@ -72,7 +73,7 @@ def _check_available(nbytes: int) -> None:
     avail = available_host_bytes()
     if avail is not None and nbytes > avail:
         raise HostOutOfMemoryError(
-            f"a host backup of {nbytes / 2**30:.3f} GiB is needed but only {avail / 2**30:.3f} GiB of host "
+            f"a host backup of {nbytes / GiB:.3f} GiB is needed but only {avail / GiB:.3f} GiB of host "
             "memory is available; nothing was released (free host memory, pause with keep=False, or set "
             "RLMEM_HOST_MEMORY_CHECK=0 if the host grows its memory on demand)",
             needed=nbytes,

@@ -10,16 +10,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from . import comm
-from .state import TrainState, check_policy
+from .. import comm
+from .._checks import check_choice, check_flag
+from .._results import Result
+from .state import TrainState, TrainStateStats, check_policy
 
-__all__ = ["Engine", "OffloadConfig", "PhaseManager"]
+__all__ = ["Engine", "OffloadConfig", "PhaseManager", "PhaseStats", "SwitchStats"]
 
 
 @runtime_checkable
@@ -66,12 +68,9 @@ class OffloadConfig:
     comms: str = "keep"
 
     def __post_init__(self) -> None:
-        if self.comms not in ("keep", "suspend"):
-            raise ValueError(f"OffloadConfig.comms must be 'keep' or 'suspend', got {self.comms!r}")
+        check_choice("OffloadConfig.comms", self.comms, ("keep", "suspend"))
         for f in ("offload_during_rollout", "empty_cache", "reserve_backups"):
-            v = getattr(self, f)
-            if not isinstance(v, bool):
-                raise ValueError(f"OffloadConfig.{f} must be True or False, got {v!r}")
+            check_flag(f"OffloadConfig.{f}", getattr(self, f))
         for f in ("params", "grads", "optimizer", "buffers"):
             check_policy(f"OffloadConfig.{f}", getattr(self, f))
 
@@ -82,6 +81,32 @@ class OffloadConfig:
             "optimizer": self.optimizer,
             "buffers": self.buffers,
         }
+
+
+@dataclass(frozen=True)
+class SwitchStats(Result):
+    """Phase switches so far and the last of each: seconds to enter rollout (offload, communicators
+    suspended, engines woken), to enter train (the reload queued; the optimizer step waits for the rest), of
+    the last :meth:`PhaseManager.prefetch`, and what the last communicator suspend / resume returned."""
+
+    count: int
+    rollout_s: float | None
+    train_s: float | None
+    prefetch_s: float | None
+    comm_suspend: Any
+    comm_resume: Any
+
+
+@dataclass(frozen=True)
+class PhaseStats(Result):
+    """What :meth:`PhaseManager.stats` returns."""
+
+    enabled: bool
+    phase: str | None
+    config: OffloadConfig
+    switches: SwitchStats
+    engines: int
+    state: TrainStateStats | None
 
 
 class PhaseManager:
@@ -121,7 +146,10 @@ class PhaseManager:
         self.phase: str | None = None
         self.state: TrainState | None = None
         self._reloading = False
-        self._switches: dict[str, Any] = {"rollout_s": None, "train_s": None, "count": 0}
+        self._switches: dict[str, Any] = dict.fromkeys(
+            ("rollout_s", "train_s", "prefetch_s", "comm_suspend", "comm_resume")
+        )
+        self._switches["count"] = 0
         if config.offload_during_rollout:
             self.state = TrainState(model, optimizer, buffers=config.buffers != "keep", name="phase")
             if config.reserve_backups:
@@ -192,15 +220,21 @@ class PhaseManager:
             self.phase = "train"
         yield self
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PhaseStats:
         """Config, phase, last switch times and, when enabled, the TrainState's bytes per category."""
-        out: dict[str, Any] = {
-            "enabled": self.enabled,
-            "phase": self.phase,
-            "config": asdict(self.config),
-            "switches": dict(self._switches),
-            "engines": len(self.engines),
-        }
-        if self.state is not None:
-            out["state"] = self.state.stats()
-        return out
+        sw = self._switches
+        return PhaseStats(
+            enabled=self.enabled,
+            phase=self.phase,
+            config=self.config,
+            switches=SwitchStats(
+                count=sw["count"],
+                rollout_s=sw["rollout_s"],
+                train_s=sw["train_s"],
+                prefetch_s=sw["prefetch_s"],
+                comm_suspend=sw["comm_suspend"],
+                comm_resume=sw["comm_resume"],
+            ),
+            engines=len(self.engines),
+            state=None if self.state is None else self.state.stats(),
+        )

@@ -17,9 +17,37 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["NAMES", "ModuleMap", "Target", "find_module_map"]
+__all__ = ["DENSE_NAMES", "NAMES", "SHARED_INPUT", "ModuleMap", "Target", "check_names", "find_module_map"]
 
+# In the order a decoder layer's forward pass produces them; a dense layer has the first five.
 NAMES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+DENSE_NAMES = NAMES[:5]
+# Name -> the name whose output is its saved input (one storage, saved by both): attn_proj's input is
+# core_attn's output. Offloading attn_proj alone would copy a storage core_attn still holds on the device
+# (freeing nothing), and once core_attn is offloaded attn_proj costs no further bytes.
+SHARED_INPUT = {"attn_proj": "core_attn"}
+
+
+def check_names(names: object, field: str, valid: tuple[str, ...] = NAMES) -> tuple[str, ...]:
+    """Validate a list of activation names; returns them as a tuple without duplicates.
+
+    Raises:
+        ValueError: naming ``field``: a string instead of a list, an empty list, an unknown name (listing
+            the valid ones), or a name without the one whose output it saves (:data:`SHARED_INPUT`).
+    """
+    if isinstance(names, str) or not isinstance(names, (list, tuple)):
+        raise ValueError(f"{field} must be a list of names, got {names!r}; valid names: {', '.join(valid)}")
+    if not names:
+        raise ValueError(f"{field} must not be empty; valid names: {', '.join(valid)}")
+    unknown = [m for m in names if m not in valid]
+    if unknown:
+        raise ValueError(f"{field}: unknown name(s) {unknown}; valid names: {', '.join(valid)}")
+    for name, src in SHARED_INPUT.items():
+        if name in names and src not in names:
+            raise ValueError(f"{field}: {name!r} requires {src!r} (its input is {src}'s output)")
+    return tuple(dict.fromkeys(names))
+
+
 _NUM = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 

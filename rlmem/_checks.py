@@ -1,0 +1,41 @@
+"""Argument checks shared by every public entry point: one exception type (``ValueError``) and one message
+form per kind of misuse, naming the argument and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["check_choice", "check_flag", "check_int"]
+
+
+def check_flag(field: str, value: Any) -> bool:
+    """``value`` if it is True or False.
+
+    Raises:
+        ValueError: ``"<field> must be True or False, got <value>"``.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{field} must be True or False, got {value!r}")
+    return value
+
+
+def check_int(field: str, value: Any, *, minimum: int = 1) -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``.
+
+    Raises:
+        ValueError: naming ``field`` and the bound.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{field} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``.
+
+    Raises:
+        ValueError: ``"<field> must be one of a, b, c; got <value>"``.
+    """
+    if value not in choices:
+        raise ValueError(f"{field} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value

@@ -1,0 +1,123 @@
+"""Where the activation offloader's scopes come from: module hooks that mark "inside name of layer i" while
+the forward pass runs through a chosen module, and the offloader active in this thread.
+
+A chosen module pushes its scope on entry and pops it on exit; modules nested inside a chosen one push an
+empty scope (their tensors are not offloaded under the outer name). A target that is a parameter instead of
+a module (fused experts' first matmul) is scoped by a torch-function mode around the calls that take it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .modmap import Target
+
+if TYPE_CHECKING:
+    from .offloader import ActivationOffloader
+
+__all__ = ["current", "enter", "install", "leave"]
+
+_tls = threading.local()
+
+
+def current() -> ActivationOffloader | None:
+    """The offloader whose context is active in this thread, if any (used by :func:`rlmem.checkpoint`)."""
+    stack = getattr(_tls, "stack", None)
+    return stack[-1] if stack else None
+
+
+def enter(off: ActivationOffloader) -> None:
+    stack = getattr(_tls, "stack", None)
+    if stack is None:
+        stack = _tls.stack = []
+    stack.append(off)
+
+
+def leave(off: ActivationOffloader) -> None:
+    _tls.stack.remove(off)
+
+
+class _ParamCalls(TorchFunctionMode):
+    """Scopes the calls inside a module that take one of its parameters (fused experts' first matmul)."""
+
+    def __init__(self, off: ActivationOffloader, name: str, layer: int, ptr: int) -> None:
+        super().__init__()
+        self._off, self._name, self._layer, self._ptr = off, name, layer, ptr
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self._ptr:
+                with self._off.scope(self._name, self._layer):
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def install(off: ActivationOffloader) -> list[Any]:
+    """Register the hooks of ``off`` on its model; returns the handles."""
+    hooks: list[Any] = []
+    lm = off.layer_map
+    wanted = set(off.names)
+    chosen = [t for n in off.names for t in lm.targets.get(n, [])]
+    inside: set[int] = set()
+    for t in chosen:
+        if t.param is None:
+            inside.update(id(m) for m in t.module.modules() if m is not t.module)
+    for name, targets in lm.targets.items():
+        for t in targets:
+            if name in wanted:
+                hooks += _scope_hooks(off, t, name)
+            elif id(t.module) in inside and t.param is None:
+                hooks += _scope_hooks(off, t, None)
+    for i, (_, layer) in enumerate(lm.layers):
+        hooks.append(layer.register_forward_pre_hook(_layer_start(off, i)))
+    return hooks
+
+
+def _scope_hooks(off: ActivationOffloader, t: Target, name: str | None) -> list[Any]:
+    layer = t.layer
+    if t.param is not None:
+        pname = t.param
+        modes = off._modes
+
+        def pre_param(mod: nn.Module, args: Any) -> None:
+            if not off._live():
+                modes.append(None)
+                return
+            mode = _ParamCalls(off, t.name, layer, getattr(mod, pname).untyped_storage().data_ptr())
+            mode.__enter__()
+            modes.append(mode)
+
+        def post_param(mod: nn.Module, args: Any, out: Any) -> None:
+            if modes:
+                mode = modes.pop()
+                if mode is not None:
+                    mode.__exit__(None, None, None)
+
+        return [
+            t.module.register_forward_pre_hook(pre_param),
+            t.module.register_forward_hook(post_param, always_call=True),
+        ]
+
+    scope = None if name is None else (name, layer)
+
+    def pre(mod: nn.Module, args: Any) -> None:
+        off._push(scope if off._live() else None)
+
+    def post(mod: nn.Module, args: Any, out: Any) -> None:
+        off._pop()
+
+    return [t.module.register_forward_pre_hook(pre), t.module.register_forward_hook(post, always_call=True)]
+
+
+def _layer_start(off: ActivationOffloader, i: int) -> Any:
+    def pre(mod: nn.Module, args: Any) -> None:
+        if off._live():
+            off._layer_started(i)
+
+    return pre
