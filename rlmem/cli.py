@@ -15,6 +15,7 @@ _BENCHES = (
     "comm",
     "token_budget",
     "plan_accuracy",
+    "vmm_calls",
 )
 
 

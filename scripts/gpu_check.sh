@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|comm] [args...]
-# comm (2 GPUs): tests/test_comm.py and bench/comm.py; with a newer libnccl assembled by scripts/nccl_parts.sh
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|comm] [args...]
+# comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
-# bench-grpo passes its args to bench/grpo_colocated.py (e.g. --parts big-offload --merge);
-# bench-act passes its args to bench/activations.py (e.g. --models qwen2-wide).
+# bench-grpo passes its args to rlmem bench grpo_colocated (e.g. --parts big-offload --merge);
+# bench-act passes its args to rlmem bench activations (e.g. --models qwen2-wide).
 # Carry .whl (torch_memory_saver 0.0.10) for the phase_switch comparison; see README.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,12 +42,12 @@ fi
 name=${machine:-$(python3 -c 'import torch; from rlmem.benchmarks._common import machine_name as m
 print(m(torch.device("cuda", 0)))' 2>/dev/null)}
 if [[ $what == all || $what == bench || $what == bench-region ]]; then
-  python3 bench/region.py --machine "$name" --chunk-sweep 256,1024,2048 --json "$OUT/region-$name.json" \
+  python3 -m rlmem bench region --machine "$name" --chunk-sweep 256,1024,2048 --json "$OUT/region-$name.json" \
     2>&1 | tee "$OUT/bench_region.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == all || $what == bench || $what == bench-phase ]]; then
-  python3 bench/phase_switch.py --machine "$name" --json "$OUT/phase_switch-$name.json" \
+  python3 -m rlmem bench phase_switch --machine "$name" --json "$OUT/phase_switch-$name.json" \
     2>&1 | tee "$OUT/bench_phase_switch.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
@@ -56,27 +56,31 @@ if [[ $what == all || $what == bench || $what == bench-grpo ]]; then
   [[ $what == bench-grpo ]] && extra=("$@")
   # --merge keeps parts measured in earlier calls (the parts take minutes each).
   [[ -f bench/results/grpo_colocated-$name.json ]] && cp "bench/results/grpo_colocated-$name.json" "$OUT/"
-  python3 bench/grpo_colocated.py --machine "$name" --json "$OUT/grpo_colocated-$name.json" "${extra[@]}" \
+  python3 -m rlmem bench grpo_colocated --machine "$name" --json "$OUT/grpo_colocated-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_grpo_colocated.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == all || $what == bench || $what == bench-act ]]; then
   extra=()
   [[ $what == bench-act ]] && extra=("$@")
-  python3 bench/activations.py --machine "$name" --json "$OUT/activations-$name.json" "${extra[@]}" \
+  python3 -m rlmem bench activations --machine "$name" --json "$OUT/activations-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_activations.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == all || $what == bench || $what == bench-tokens ]]; then
-  python3 bench/token_budget.py --machine "$name" --json "$OUT/token_budget-$name.json" \
+  python3 -m rlmem bench token_budget --machine "$name" --json "$OUT/token_budget-$name.json" \
     2>&1 | tee "$OUT/bench_token_budget.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == all || $what == bench || $what == bench-plan ]]; then
   extra=()
   [[ $what == bench-plan ]] && extra=("$@")
-  python3 bench/plan_accuracy.py --machine "$name" --json "$OUT/plan_accuracy-$name.json" "${extra[@]}" \
+  python3 -m rlmem bench plan_accuracy --machine "$name" --json "$OUT/plan_accuracy-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_plan_accuracy.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == bench-vmm ]]; then
+  python3 -m rlmem bench vmm_calls --machine "$name" --json "$OUT/vmm_calls-$name.json" "$@" 2>&1 | tee "$OUT/bench_vmm_calls.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == comm ]]; then
@@ -85,7 +89,7 @@ if [[ $what == comm ]]; then
   python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())' 2>&1 | tee "$OUT/comm_nccl.txt"
   python3 -m pytest -q -rs tests/test_comm.py "$@" 2>&1 | tee "$OUT/tests_comm.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-  python3 bench/comm.py --machine "$name" --json "$OUT/comm-$name.json" 2>&1 | tee "$OUT/bench_comm.log"
+  python3 -m rlmem bench comm --machine "$name" --json "$OUT/comm-$name.json" 2>&1 | tee "$OUT/bench_comm.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 exit $status

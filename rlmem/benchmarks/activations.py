@@ -1,5 +1,5 @@
 """Benchmark of activation offloading and checkpointing: step time and peak memory of one training step
-(forward + backward) on DESIGN.md's 2.47B Qwen2-shaped model, a wider one (hidden 4096) and a small MoE.
+(forward + backward) on docs/design.md's 2.47B Qwen2-shaped model, a wider one (hidden 4096) and a small MoE.
 
 A step is the decoder body over ``bs x seq`` tokens plus the LM head on the last 256 tokens (so the
 vocabulary does not dominate), bf16 weights, gradients set to None before each step: the peak is over the
@@ -22,11 +22,9 @@ over ``max(t_fwd, A / D2H) + max(t_bwd, A / H2D)`` with A the bytes it offloaded
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -38,15 +36,10 @@ from .. import offload_activations
 from .._units import GiB as _GiB
 from ..plan.presets import QWEN2
 from ._common import (
-    check_targets,
-    environment,
     format_table,
-    machine_name,
     median,
-    summary_lines,
-    targets_text,
-    write_json,
 )
+from ._harness import Run
 
 NAME = "activations"
 HEAD_TOKENS = 256
@@ -328,8 +321,9 @@ def _points(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rlmem bench activations", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
+    p = run_.parser
     p.add_argument("--models", default="qwen2-2.5b,qwen2-wide,qwen2-moe-small")
     p.add_argument("--grid", default="1x2048,2x2048,2x4096,4x4096", help="bs x seq points of qwen2-2.5b")
     p.add_argument("--grid-wide", default="2x2048,4x4096")
@@ -337,15 +331,11 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
     p.add_argument("--full-at", default="2x2048", help="points that also run every single name")
     p.add_argument("--only", default="", help="run only these contenders (comma-separated), for diagnosis")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--machine", default=None)
-    p.add_argument("--json", default=None)
     p.add_argument("--merge", action="store_true", help="keep models of an existing JSON not run now")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the activations benchmark needs a CUDA device", file=sys.stderr)
+    args = run_.parse(argv)
+    if not run_.needs_cuda():
         return 2
-    device = torch.device("cuda", torch.cuda.current_device())
-    machine = args.machine or machine_name(device)
+    device = run_.device
     d2h, h2d = _link(device)
     link = {"d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d}
     print(f"link: D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s", flush=True)
@@ -402,7 +392,7 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    path = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
+    path = run_.json_path
     # The link rates each model's figures were measured with (ratios count only within one run).
     model_links = {m: link for m in res}
     if args.merge and path and os.path.exists(path):
@@ -414,7 +404,6 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
                 weights_bytes[m] = old.get("weights_bytes", {}).get(m)
                 model_links[m] = old.get("model_links", {}).get(m, old["link"])
     summary = summarize(res, model_links.get("qwen2-2.5b", link))
-    met = check_targets(summary, TARGETS)
     cols = [
         ("model", "model", "s"),
         ("point", "bs x seq", "s"),
@@ -426,21 +415,14 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         ("off_gib", "offloaded GiB", ".2f"),
     ]
     print(format_table(rows, cols))
-    print(summary_lines(summary, met))
-    payload = {
-        "benchmark": NAME,
-        "machine": machine,
-        **environment(device),
-        "head_tokens": HEAD_TOKENS,
-        "models": {k: MODELS[k]["cfg"] for k in res},
-        "link": link,
-        "model_links": model_links,
-        "weights_bytes": weights_bytes,
-        "results": res,
-        "summary": summary,
-        "targets": targets_text(TARGETS),
-        "targets_met": met,
-    }
-    if path:
-        print(f"wrote {write_json(path, payload)}")
+    run_.finish(
+        summary,
+        name_key="benchmark",
+        head_tokens=HEAD_TOKENS,
+        models={k: MODELS[k]["cfg"] for k in res},
+        link=link,
+        model_links=model_links,
+        weights_bytes=weights_bytes,
+        results=res,
+    )
     return 0

@@ -13,11 +13,9 @@ rebuilt communicator connects), ``freed_fraction`` (device bytes freed over NCCL
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 import warnings
@@ -157,30 +155,18 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
-    from ._common import (
-        check_targets,
-        environment,
-        format_table,
-        machine_name,
-        summary_lines,
-        targets_text,
-        write_json,
-    )
+def main(argv: list[str] | None = None) -> int:
+    from ._common import format_table
+    from ._harness import Run
 
-    p = argparse.ArgumentParser(prog="rlmem bench comm", description=__doc__.splitlines()[0])
-    p.add_argument("--counts", default="1,4,8")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--machine", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        print("the comm benchmark needs 2 CUDA devices", file=sys.stderr)
+    run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
+    run_.parser.add_argument("--counts", default="1,4,8")
+    run_.parser.add_argument("--reps", type=int, default=5)
+    args = run_.parse(argv)
+    if not run_.needs_cuda(2):
         return 2
     import torch.multiprocessing as mp
 
-    device = torch.device("cuda", 0)
-    machine = args.machine or machine_name(device)
     counts = [int(c) for c in args.counts.split(",")]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -222,20 +208,5 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
     ]
     print(f"rank 0, {ranks[0]['nccl']}")
     print(format_table(rows, cols))
-    summary = summarize(ranks)
-    met = check_targets(summary, TARGETS)
-    print(summary_lines(summary, met))
-    path = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
-    payload = {
-        "benchmark": NAME,
-        "machine": machine,
-        **environment(device),
-        "nccl": ranks[0]["nccl"],
-        "ranks": ranks,
-        "summary": summary,
-        "targets": targets_text(TARGETS),
-        "targets_met": met,
-    }
-    if path:
-        print(f"wrote {write_json(path, payload)}")
+    run_.finish(summarize(ranks), name_key="benchmark", nccl=ranks[0]["nccl"], ranks=ranks)
     return 0

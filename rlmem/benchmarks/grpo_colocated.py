@@ -2,7 +2,7 @@
 
 Every part runs the GRPO recipe (``rlmem.recipes.grpo``) in its own process on the same workload:
 ``prompts x group`` sequences of ``max_new_tokens`` per step, ``steps`` steps (figures from the last). The
-default model is ``qwen2-2.7b-mha``: DESIGN.md's 2.47B Qwen2 shape with 16 KV heads instead of 2 (2.68B
+default model is ``qwen2-2.7b-mha``: docs/design.md's 2.47B Qwen2 shape with 16 KV heads instead of 2 (2.68B
 parameters; fp32 weights, bf16 autocast, AdamW: 40 GiB of train state, 30 GiB of it resident during a rollout
 without offload). With 2 KV heads a 52 GiB cache holds 1.9M tokens, and one GRPO step over them takes
 minutes here; with 16 it holds 240k. Parts differ only in the KV-cache budget and the offload switch:
@@ -35,14 +35,9 @@ import torch
 
 from .._units import GiB as _GiB
 from ._common import (
-    check_targets,
-    environment,
     format_table,
-    machine_name,
-    summary_lines,
-    targets_text,
-    write_json,
 )
+from ._harness import Run
 
 NAME = "grpo_colocated"
 
@@ -140,12 +135,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rlmem bench grpo_colocated", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
+    p = run_.parser
     p.add_argument(
         "--model", default="qwen2-2.7b-mha", help="'tiny', a preset of rlmem.presets, or a directory"
     )
-    p.add_argument("--device", default="cuda")
     p.add_argument("--kv-big-gib", type=float, default=52.0, help="the big KV budget (GiB)")
     p.add_argument(
         "--kv-fit-gib", type=float, default=20.0, help="a KV budget that fits without offload (GiB)"
@@ -158,29 +153,22 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
     p.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)}")
     p.add_argument("--merge", action="store_true", help="keep the other parts of an existing JSON file")
     p.add_argument("--part", default=None, choices=PARTS, help=argparse.SUPPRESS)
-    p.add_argument("--machine", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args = run_.parse(argv)
+    args.device = str(run_.device)
     if args.part:
         print(json.dumps(run_part(args, args.part)), flush=True)
         return 0
     parts = [x for x in args.parts.split(",") if x]
     if not parts or any(x not in PARTS for x in parts):
-        p.error(f"--parts must be a comma-separated subset of {', '.join(PARTS)}")
+        run_.error(f"--parts must be a comma-separated subset of {', '.join(PARTS)}")
     args.forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--merge"]
-    device = torch.device(args.device)
-    machine = args.machine or machine_name(device)
-    out = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
-    res: dict[str, Any] = {}
-    if args.merge and out and Path(out).is_file():
-        res = json.loads(Path(out).read_text()).get("results", {})
+    res: dict[str, Any] = run_.previous() if args.merge else {}
     for part in parts:
         res[part] = _spawn(args, part)
     failed = {k: v["error"] for k, v in res.items() if "error" in v}
     for k, v in failed.items():
         print(f"{k} failed:\n{v}", file=sys.stderr)
     summary = summarize(res)
-    met = check_targets(summary, TARGETS)
     rows = []
     for part in PARTS:
         r = res.get(part)
@@ -223,19 +211,8 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
             ],
         )
     )
-    print(summary_lines(summary, met))
-    payload = {
-        "name": NAME,
-        "machine": machine,
-        **environment(device),
-        "config": {k: v for k, v in vars(args).items() if k not in ("forward", "part", "json", "merge")},
-        "results": res,
-        "summary": summary,
-        "targets": targets_text(TARGETS),
-        "targets_met": met,
-    }
-    if out:
-        print(f"wrote {write_json(out, payload)}")
+    skip = ("forward", "part", "json", "merge", "machine")
+    run_.finish(summary, config={k: v for k, v in vars(args).items() if k not in skip}, results=res)
     return 1 if failed else 0
 
 

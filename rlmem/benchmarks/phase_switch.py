@@ -28,15 +28,10 @@ import torch
 from .._units import GiB as _GiB
 from ..plan.presets import PRESETS, build, vocab_size
 from ._common import (
-    check_targets,
-    environment,
     format_table,
-    machine_name,
     median,
-    summary_lines,
-    targets_text,
-    write_json,
 )
+from ._harness import Run
 
 NAME = "phase_switch"
 
@@ -304,28 +299,24 @@ TARGETS = {
 }
 
 
-def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rlmem bench phase_switch", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
+    p = run_.parser
     p.add_argument(
         "--preset", default=None, choices=PRESETS, help="model (default: qwen2-2.5b on CUDA, mlp-tiny on CPU)"
     )
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument(
         "--cycles", type=int, default=4, help="switch cycles per contender (steady state: from the 3rd)"
     )
     p.add_argument("--seq", type=int, default=512, help="tokens of the one training step")
     p.add_argument("--parts", default="rlmem,naive,tms", help="contenders to run")
     p.add_argument("--part", default=None, choices=sorted(PARTS), help=argparse.SUPPRESS)
-    p.add_argument("--machine", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    args = run_.parse(argv)
+    device = run_.device
+    args.device = str(device)
     args.preset = args.preset or ("qwen2-2.5b" if device.type == "cuda" else "mlp-tiny")
     if args.cycles < 2:
-        p.error("--cycles must be at least 2")
+        run_.error("--cycles must be at least 2")
     if args.part:
         print(json.dumps(PARTS[args.part](args.preset, device, args.cycles, args.seq)), flush=True)
         if args.part == "tms":
@@ -335,8 +326,8 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         return 0
     parts = [x for x in args.parts.split(",") if x]
     if "rlmem" not in parts or "naive" not in parts or any(x not in PARTS for x in parts):
-        p.error(f"--parts must include rlmem and naive, from {', '.join(PARTS)}")
-    machine = args.machine or machine_name(device)
+        run_.error(f"--parts must include rlmem and naive, from {', '.join(PARTS)}")
+    machine = run_.machine
     res = {part: _run_part(part, args) for part in parts}
     failed = {k: v["error"] for k, v in res.items() if "error" in v}
     if failed:
@@ -344,7 +335,6 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
             print(f"{k} failed:\n{v}", file=sys.stderr)
         return 1
     summary = summarize(res)
-    met = check_targets(summary, TARGETS)
     table = []
     r, n = res["rlmem"], res["naive"]
     table.append(
@@ -398,20 +388,11 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
             ],
         )
     )
-    print(summary_lines(summary, met))
-    payload = {
-        "name": NAME,
-        "machine": machine,
-        **environment(device),
-        "config": {"preset": args.preset, "cycles": args.cycles, "seq": args.seq, "parts": parts},
-        "results": res,
-        "summary": summary,
-        "targets": targets_text(TARGETS),
-        "targets_met": met,
-    }
-    out = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
-    if out:
-        print(f"wrote {write_json(out, payload)}")
+    run_.finish(
+        summary,
+        config={"preset": args.preset, "cycles": args.cycles, "seq": args.seq, "parts": parts},
+        results=res,
+    )
     return 0 if summary["intact"] else 1
 
 

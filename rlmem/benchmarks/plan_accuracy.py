@@ -1,4 +1,4 @@
-"""Benchmark of ``rlmem plan``'s accuracy: predicted against measured peak memory of DESIGN.md's 2.47B
+"""Benchmark of ``rlmem plan``'s accuracy: predicted against measured peak memory of docs/design.md's 2.47B
 Qwen2-shaped model (``qwen2-2.5b``, random init, bf16, torch's AdamW) on one GPU.
 
 Configurations: training steps over ``batch x seq`` tokens with HF's causal-LM loss (no checkpointing;
@@ -19,10 +19,8 @@ Summary: ``max_abs_error_fraction`` = max over configurations of |predicted - me
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
-import sys
 from typing import Any
 
 import torch
@@ -201,30 +199,20 @@ def _measure_rollout(model: Any, cfg: dict[str, Any], device: torch.device) -> d
         torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
-    from ._common import (
-        _version,
-        check_targets,
-        environment,
-        format_table,
-        machine_name,
-        summary_lines,
-        targets_text,
-        write_json,
-    )
+def main(argv: list[str] | None = None) -> int:
+    from ._common import _version, check_targets, format_table
+    from ._harness import Run
 
-    p = argparse.ArgumentParser(prog="rlmem bench plan_accuracy", description=__doc__.splitlines()[0])
-    p.add_argument("--only", default=None, help="comma-separated configuration names (default: all)")
-    p.add_argument("--machine", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the plan_accuracy benchmark needs a CUDA device", file=sys.stderr)
+    run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
+    run_.parser.add_argument(
+        "--only", default=None, help="comma-separated configuration names (default: all)"
+    )
+    args = run_.parse(argv)
+    if not run_.needs_cuda():
         return 2
     # Segments that grow in place: reserved memory then follows allocated memory (the estimate's figure).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    device = torch.device("cuda", 0)
-    machine = args.machine or machine_name(device)
+    device = run_.device
     torch.empty(1, device=device)
     free, total = torch.cuda.mem_get_info(device)
     context = total - free - torch.cuda.memory_reserved(device)
@@ -306,20 +294,13 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         "cuda_context_bytes": context,
     }
     met = check_targets({k: v for k, v in summary.items() if v is not None}, TARGETS)
-    print(summary_lines(summary, met))
-    path = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
-    payload = {
-        "benchmark": NAME,
-        "machine": machine,
-        **environment(device),
-        "transformers": _version("transformers"),
-        "model": "qwen2-2.5b",
-        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-        "results": results,
-        "summary": summary,
-        "targets": targets_text(TARGETS),
-        "targets_met": met,
-    }
-    if path:
-        print(f"wrote {write_json(path, payload)}")
+    run_.finish(
+        summary,
+        met=met,
+        name_key="benchmark",
+        transformers=_version("transformers"),
+        model="qwen2-2.5b",
+        allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        results=results,
+    )
     return 0

@@ -9,7 +9,6 @@ runs with the host backend; the "pinned" ceiling is then a plain memory copy int
 
 from __future__ import annotations
 
-import argparse
 import gc
 import resource
 import sys
@@ -23,16 +22,13 @@ from .._units import GiB as _GiB
 from ..memory.region import Region
 from ._common import (
     check_targets,
-    environment,
     format_table,
-    machine_name,
     median,
-    summary_lines,
     sync,
     targets_text,
     timed,
-    write_json,
 )
+from ._harness import Run
 
 NAME = "region"
 TARGETS = {
@@ -239,9 +235,9 @@ _COLUMNS = [
 ]
 
 
-def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rlmem bench region", description=__doc__.splitlines()[0])
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+def main(argv: list[str] | None = None) -> int:
+    run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
+    p = run_.parser
     p.add_argument(
         "--sizes", default=None, help="comma-separated GiB (default: 1,4,16 on CUDA; 0.0625,0.25,1 on CPU)"
     )
@@ -251,23 +247,17 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
     p.add_argument(
         "--chunk-sweep", default=None, help="comma-separated chunk MiB to compare at the largest size"
     )
-    p.add_argument("--machine", default=None, help="machine name used in the JSON file name")
-    p.add_argument("--json", default=None, help="write the JSON here (default: print only)")
-    args = p.parse_args(argv)
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    args = run_.parse(argv)
+    device = run_.device
     default_sizes = "1,4,16" if device.type == "cuda" else "0.0625,0.25,1"
     try:
         sizes = [float(s) for s in (args.sizes or default_sizes).split(",")]
         sweep = [int(s) << 20 for s in args.chunk_sweep.split(",")] if args.chunk_sweep else None
     except ValueError:
-        p.error("--sizes and --chunk-sweep take comma-separated numbers")
+        run_.error("--sizes and --chunk-sweep take comma-separated numbers")
     if any(s <= 0 for s in sizes) or args.cycles < 1 or args.discard_cycles < 1:
-        p.error("--sizes must be positive and --cycles / --discard-cycles at least 1")
-    machine = args.machine or machine_name(device)
-    print(f"rlmem bench region on {machine} ({device}), sizes {sizes} GiB", file=sys.stderr, flush=True)
+        run_.error("--sizes must be positive and --cycles / --discard-cycles at least 1")
+    print(f"rlmem bench region on {run_.machine} ({device}), sizes {sizes} GiB", file=sys.stderr, flush=True)
     result = run(
         sizes,
         device,
@@ -276,12 +266,6 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         chunk_bytes=args.chunk_mib << 20 if args.chunk_mib else None,
         chunk_sweep=sweep,
     )
-    payload = {
-        "name": NAME,
-        "machine": machine,
-        **environment(device),
-        **{k: v for k, v in result.items() if k != "name"},
-    }
     print(format_table(result["rows"], _COLUMNS))
     if result["chunk_sweep"]:
         print("\nchunk size at the largest size:")
@@ -296,8 +280,12 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
                 ],
             )
         )
-    print("\n" + summary_lines(result["summary"], result["targets_met"]))
-    out = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
-    if out:
-        print(f"wrote {write_json(out, payload)}")
+    print()
+    run_.finish(
+        result["summary"],
+        met=result["targets_met"],
+        config=result["config"],
+        rows=result["rows"],
+        chunk_sweep=result["chunk_sweep"],
+    )
     return 0 if result["summary"]["all_intact"] else 1

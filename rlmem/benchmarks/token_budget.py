@@ -17,9 +17,7 @@ Figures: real (unpadded) tokens per second, padding fraction, micro-batches, pea
 
 from __future__ import annotations
 
-import argparse
 import random
-import sys
 import time
 from typing import Any
 
@@ -61,24 +59,22 @@ def _run(model: Any, seqs: torch.Tensor, lengths: list[int], mbs: list[list[int]
     model.zero_grad(set_to_none=True)
 
 
-def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) -> int:
-    from ._common import environment, format_table, machine_name, summary_lines, sync, write_json
+def main(argv: list[str] | None = None) -> int:
+    from ._common import format_table, sync
+    from ._harness import Run
 
-    p = argparse.ArgumentParser(prog="rlmem bench token_budget", description=__doc__.splitlines()[0])
+    run_ = Run(NAME, __doc__.splitlines()[0])
+    p = run_.parser
     p.add_argument("--model", default="qwen2-1.5b", choices=list(presets.QWEN2))
     p.add_argument("--sequences", type=int, default=256)
     p.add_argument("--longest", type=int, default=4096)
     p.add_argument("--budget", type=int, default=8192, help="tokens per micro-batch (padded)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--machine", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the token_budget benchmark needs a CUDA device", file=sys.stderr)
+    args = run_.parse(argv)
+    if not run_.needs_cuda():
         return 2
-    device = torch.device("cuda", 0)
-    machine = args.machine or machine_name(device)
+    device = run_.device
     model = presets.build(args.model, device, torch.bfloat16).train()
     vocab = presets.vocab_size(args.model)
     lengths = lengths_long_tail(args.sequences, args.longest, args.seed)
@@ -153,19 +149,5 @@ def main(argv: list[str] | None = None, *, default_json_dir: str | None = None) 
         "token_budget_over_budget": results["token_budget"]["over_budget"],
         "fixed_mean_over_budget": results["fixed_mean"]["over_budget"],
     }
-    print(summary_lines(summary, {}))
-    path = args.json or (f"{default_json_dir}/{NAME}-{machine}.json" if default_json_dir else None)
-    payload = {
-        "benchmark": NAME,
-        "machine": machine,
-        **environment(device),
-        "config": vars(args),
-        "lengths": lengths,
-        "results": results,
-        "summary": summary,
-        "targets": {},
-        "targets_met": {},
-    }
-    if path:
-        print(f"wrote {write_json(path, payload)}")
+    run_.finish(summary, name_key="benchmark", config=vars(args), lengths=lengths, results=results)
     return 0

@@ -1,0 +1,4 @@
+"""Glue to other frameworks, one module each, importing its framework lazily: ``hf`` (a batched sampler for
+Hugging Face causal LMs whose KV cache is a Region). May import :mod:`rlmem.memory`, :mod:`rlmem.plan` and
+the layers below them; the recipes and benchmarks import it.
+"""

@@ -1,6 +1,7 @@
 """Host buffers for kept pauses: allocated once, reused across cycles, page-locked for CUDA.
 
-Making pinned memory ready is dominated by page population, not by the pinning itself (DESIGN.md:
+Making pinned memory ready is dominated by page population, not by the pinning itself (docs/design.md,
+reference figures:
 ``torch.empty(16 GiB, pin_memory=True)`` 5.3 s; anonymous mmap with transparent huge pages, populated by
 many threads, then ``cuMemHostRegister``: 0.64 s). So a buffer is an anonymous private mapping, advised
 to use huge pages, populated by PyTorch's parallel fill, then registered with the driver.

@@ -10,6 +10,10 @@ reads them faults (an illegal memory access, after which the process's CUDA cont
 copy fails with ``invalid argument``; on the host backend they read as zeros. Check ``region.paused`` first;
 :meth:`Region.host_view` gives the kept bytes of a paused Region as a tensor over its host backup.
 :class:`rlmem.TrainState` re-points the model's and optimizer's own references there while they are offloaded.
+
+Why one module of ~800 lines: the chunk state machine (mapped, saved, empty), the backup, the lock and
+the operation in flight are one mechanism; every method reads and changes all of them under one lock,
+and splitting it would spread that invariant across files. The physical work is in the backends.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Named model presets (random init, no downloads): the 2.47B Qwen2-shaped model of DESIGN.md and small ones.
+"""Named model presets (random init, no downloads): the 2.47B Qwen2-shaped anchor model
+of docs/design.md and small ones.
 
 ``qwen2-2.5b``: hidden 2048, 28 layers, MLP 11008, 16 heads / 2 KV heads, vocabulary 151936, tied
 embeddings: 2.47B parameters; in bf16 with AdamW that is 4.6 GiB each of parameters and gradients and

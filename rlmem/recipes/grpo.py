@@ -10,13 +10,15 @@ while it scores the batch.
 Run ``rlmem train`` (defaults: an embedded tiny Qwen2-shaped model learning to sort digits) or
 ``rlmem train examples/grpo_tiny.yaml key=value ...``; with ``torchrun --nproc-per-node N -m rlmem train``
 the policy is sharded with FSDP2 and each rank samples its share of the prompts.
+
+Why one module of ~700 lines: the recipe is meant to be read top to bottom, as one loop; its config
+validation and the helpers the loop calls sit beside it. What it records and prints is in ``_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._units import GiB, MiB, parse_bytes
+from .._units import parse_bytes
 from ..data.batching import token_budget_batches
 from ..integrations.hf import HFSampler, kv_bytes_per_token
 from ..monitor.timeline import MemoryTimeline
@@ -40,6 +42,7 @@ from ..plan import presets
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
 from . import _config
+from ._report import _Bar, _max_used, _step_line, _summarize, _title, _track, report
 from .task import CharTokenizer, SortDigitsTask
 
 __all__ = ["GRPOConfig", "main", "report", "run"]
@@ -258,16 +261,6 @@ def _materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
             step.zero_()
         elif step is not None:
             opt.state[p]["step"] = 0
-
-
-def _local_bytes(tensors: Any) -> int:
-    n = 0
-    for t in tensors:
-        if t is None or not torch.is_tensor(t):
-            continue
-        t = t.to_local() if hasattr(t, "to_local") else t
-        n += t.numel() * t.element_size()
-    return n
 
 
 def _kv_batch(cfg: GRPOConfig, model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype) -> int:
@@ -656,163 +649,6 @@ def _set_reshard(model: nn.Module, reshard: bool, world: int) -> None:
     if reshard:
         for m in mods:
             m.reshard()
-
-
-def _track(
-    tl: MemoryTimeline,
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    pm: PhaseManager,
-    ref: nn.Module | None,
-    ref_state: TrainState | None,
-    sampler: Any,
-) -> None:
-    """Bytes by category on this device: rlmem's own counts where it holds the tensors, else the tensors."""
-
-    def cat(name: str) -> int:
-        if pm.state is not None:
-            return pm.state.stats().categories[name].resident_bytes
-        if name == "params":
-            return _local_bytes(model.parameters())
-        if name == "grads":
-            return _local_bytes(p.grad for p in model.parameters())
-        return _local_bytes(
-            v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
-        )
-
-    tl.track("params", lambda: cat("params"))
-    tl.track("grads", lambda: cat("grads"))
-    tl.track("optimizer", lambda: cat("optimizer"))
-    if ref is not None:
-        tl.track(
-            "reference",
-            lambda: (
-                ref_state.stats().categories["params"].resident_bytes
-                if ref_state is not None
-                else _local_bytes(ref.parameters())
-            ),
-        )
-    tl.track("kv_cache", lambda: sampler().region.resident_bytes if sampler() is not None else 0)
-
-
-# -- output -------------------------------------------------------------------------------------------
-
-
-def _gib(v: Any) -> str:
-    return "-" if v is None else f"{v / GiB:.2f}"
-
-
-def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
-    """Most device memory in use (driver's view: PyTorch's allocations, rlmem's Regions, the context) in a
-    phase's samples; PyTorch's own peak misses the Regions."""
-    used = []
-    for s in reversed(tl.samples):  # this step's samples are the newest: stop at the previous step's
-        if s["step"] < step:
-            break
-        if s["phase"] == phase and s["step"] == step and "used" in s and not s.get("entry"):
-            used.append(s["used"])
-    return max(used) if used else None
-
-
-def _step_line(r: dict[str, Any], steps: int) -> str:
-    return (
-        f"step {r['step'] + 1:>3}/{steps} | reward {r['reward']:.3f} | loss {r['loss']:+.4f} "
-        f"| kl {r['kl']:.4f} | {r['tokens_per_s']:,.0f} tok/s | rollout {r['rollout_s']:.2f}s "
-        f"train {r['train_s']:.2f}s switch {r['switch_s']:.3f}s | device GiB rollout "
-        f"{_gib(r['used_rollout'])} train {_gib(r['used_train'])}"
-    )
-
-
-def _title(cfg: GRPOConfig, offload: bool, device: torch.device) -> str:
-    return f"rlmem GRPO: {cfg.model} on {device.type}, offload {'on' if offload else 'off'}"
-
-
-def _summarize(
-    cfg: GRPOConfig,
-    hist: list[dict[str, Any]],
-    tl: MemoryTimeline,
-    offload: bool,
-    precision: str,
-    world: int,
-    device: torch.device,
-) -> dict[str, Any]:
-    def mean(key: str, rows: list[dict[str, Any]]) -> float:
-        return sum(r[key] for r in rows) / max(len(rows), 1)
-
-    k = min(5, len(hist))
-    return {
-        "config": dataclasses.asdict(cfg),
-        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-        "world_size": world,
-        "offload": offload,
-        "precision": precision,
-        "steps": len(hist),
-        "reward_first5": mean("reward", hist[:k]),
-        "reward_last5": mean("reward", hist[-k:]),
-        "losses": [r["loss"] for r in hist],
-        "rewards": [r["reward"] for r in hist],
-        "step_s_mean": mean("step_s", hist),
-        "rollout_tokens_per_s_mean": mean("tokens_per_s", hist),
-        "switch_s_mean": mean("switch_s", hist),
-        "wall_s": sum(r["step_s"] for r in hist),
-        "phases": {k: v.as_dict() for k, v in tl.summary().items()},
-        "leaks": [f.as_dict() for f in tl.leaks()],
-    }
-
-
-class _Bar:
-    """A one-line progress bar on stderr (only on a terminal; the per-step lines go to stdout)."""
-
-    def __init__(self, total: int, *, enabled: bool) -> None:
-        self.total, self.enabled, self.t0, self.shown = total, enabled, time.perf_counter(), False
-
-    def update(self, n: int, reward: float) -> None:
-        if not self.enabled:
-            return
-        w = 30
-        fill = int(w * n / self.total)
-        el = time.perf_counter() - self.t0
-        eta = el / n * (self.total - n) if n else 0.0
-        sys.stderr.write(
-            f"\r[{'#' * fill}{'.' * (w - fill)}] {n}/{self.total} reward {reward:.3f} eta {eta:.0f}s"
-        )
-        sys.stderr.flush()
-        self.shown = True
-
-    def clear(self) -> None:
-        if self.enabled and self.shown:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        self.clear()
-
-
-def report(run_dir: str | os.PathLike[str], *, echo: Any = print, plot: bool = True) -> int:
-    """Re-print a finished run's memory table and reward summary and re-draw its plot.
-
-    Raises:
-        ValueError: ``run_dir`` holds no ``timeline.jsonl``.
-    """
-    d = Path(run_dir)
-    if not (d / "timeline.jsonl").is_file():
-        raise ValueError(f"run_dir {str(d)!r} has no timeline.jsonl (is it the out_dir of rlmem train?)")
-    tl = MemoryTimeline.load(d / "timeline.jsonl")
-    echo(tl.report())
-    if (d / "log.jsonl").is_file():
-        rows = [json.loads(line) for line in (d / "log.jsonl").read_text().splitlines() if line.strip()]
-        if rows:
-            k = min(5, len(rows))
-            first = sum(r["reward"] for r in rows[:k]) / k
-            last = sum(r["reward"] for r in rows[-k:]) / k
-            echo(f"{len(rows)} steps | reward: first 5 {first:.3f} -> last 5 {last:.3f}")
-    if plot:
-        echo(f"timeline plot: {tl.plot(d / 'memory.png', title=f'rlmem GRPO: {d.name}')}")
-    for f in tl.leaks():
-        echo(
-            f"warning: memory grows in phase {f.phase!r}: {f.category} {f.bytes_per_step / MiB:.1f} MiB/step"
-        )
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,10 @@ the pinned backup mapped into the device's address space: moving ``p.data`` to a
 autograd drop the parameter's gradient accumulator, on which DistributedDataParallel (and Megatron-Core's DDP)
 hook their gradient reduction. Discarded parameters and buffers point at placeholders of the same device,
 dtype and shape that hold no memory and raise an error naming rlmem on any use of their values.
+
+Why one module of ~850 lines: adoption, offload, reload and close share the slots, the Regions and the
+re-pointed holders, and each must undo the others exactly (bit-identical training after any sequence of
+them). The holders' mechanics are in ``_holders.py``, FSDP2's in ``_dtensor.py``.
 """
 
 from __future__ import annotations

@@ -4,22 +4,21 @@ A discard cycle of a Region is: per chunk cuMemUnmap + cuMemRelease (pause), the
 cuMemMap + cuMemSetAccess (resume). This times each call kind separately over a range of SIZE GiB, for
 several chunk sizes, with access set per chunk or once over the whole range, and with the resume started at
 once or after a pause of the host (to see whether the driver's work on freed memory is on the path).
-Writes bench/results/vmm_calls-<machine>.json.
-
-Run from the repository root: ``python bench/vmm_calls.py --machine nvidia-h100-x1``.
+Writes bench/results/vmm_calls-<machine>.json: ``rlmem bench vmm_calls --machine nvidia-h100-x1``.
 """
 
-import argparse
-import sys
-import time
-from pathlib import Path
+from __future__ import annotations
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import time
+from typing import Any
 
 import torch
 
-from rlmem.benchmarks._common import environment, format_table, machine_name, median, write_json
-from rlmem.memory._cuda import CudaBackend, call, context
+from ..memory._cuda import CudaBackend, call, context
+from ._common import format_table, median
+from ._harness import Run
+
+NAME = "vmm_calls"
 
 
 def cycle(backend, ptr, size, chunk, one_access, gap_s):
@@ -68,14 +67,15 @@ def cycle(backend, ptr, size, chunk, one_access, gap_s):
     return {k: v * 1e3 for k, v in t.items()}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size-gib", type=int, default=16)
-    p.add_argument("--chunks-mib", default="64,256,1024,2048")
-    p.add_argument("--cycles", type=int, default=5)
-    p.add_argument("--machine", default=None)
-    args = p.parse_args()
-    dev = torch.device("cuda", torch.cuda.current_device())
+def main(argv: list[str] | None = None) -> int:
+    run_ = Run(NAME, __doc__.splitlines()[0])
+    run_.parser.add_argument("--size-gib", type=int, default=16)
+    run_.parser.add_argument("--chunks-mib", default="64,256,1024,2048")
+    run_.parser.add_argument("--cycles", type=int, default=5)
+    args = run_.parse(argv)
+    if not run_.needs_cuda():
+        return 2
+    dev = run_.device
     backend = CudaBackend(dev.index)
     size = args.size_gib << 30
     with context(dev.index):
@@ -106,17 +106,15 @@ def main():
     cols = [("chunk_mib", "chunk MiB", "d"), ("access", "access", ""), ("gap_s", "gap s", "g")]
     cols += [(k, k.replace("_ms", " ms"), ".2f") for k in rows[0] if k.endswith("_ms")]
     print(format_table(rows, cols))
-    machine = args.machine or machine_name(dev)
-    payload = {
-        "name": "vmm_calls",
-        "machine": machine,
-        **environment(dev),
-        "config": {"size_gib": args.size_gib, "cycles": args.cycles},
-        "rows": rows,
+    best = min(rows, key=lambda r: r["cycle_ms"])
+    summary: dict[str, Any] = {
+        "best_cycle_ms": best["cycle_ms"],
+        "best_chunk_mib": best["chunk_mib"],
+        "best_access": best["access"],
     }
-    out = Path(__file__).resolve().parent / "results" / f"vmm_calls-{machine}.json"
-    print(f"wrote {write_json(out, payload)}")
+    run_.finish(summary, config={"size_gib": args.size_gib, "cycles": args.cycles}, rows=rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
