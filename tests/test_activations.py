@@ -203,7 +203,7 @@ def test_in_place_change_while_the_copy_is_in_flight_is_an_error(monkeypatch):
     orig = ActivationOffloader._offload
 
     def slow(self, *a, **k):
-        with torch.cuda.stream(self._d2h):
+        with torch.cuda.stream(self._copies._d2h):
             torch.cuda._sleep(1_000_000_000)  # about half a second before each copy
         return orig(self, *a, **k)
 
@@ -488,12 +488,12 @@ def test_forced_stream_races_give_equal_gradients(monkeypatch):
     orig_off, orig_re = ActivationOffloader._offload, ActivationOffloader._reload
 
     def slow_off(self, *a, **k):
-        with torch.cuda.stream(self._d2h):
+        with torch.cuda.stream(self._copies._d2h):
             torch.cuda._sleep(2_000_000)
         return orig_off(self, *a, **k)
 
     def slow_re(self, e):
-        with torch.cuda.stream(self._h2d):
+        with torch.cuda.stream(self._copies._h2d):
             torch.cuda._sleep(2_000_000)
         return orig_re(self, e)
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from .. import checkpoint as rl_checkpoint
 from .. import offload_activations
 from .._units import GiB as _GiB
+from ..activations.modmap import SHARED_INPUT
 from ..plan.presets import QWEN2
 from ._common import (
     format_table,
@@ -175,8 +176,9 @@ def _contender(name: str, model: torch.nn.Module) -> tuple[Any, Any]:
         off = _all(model)
     else:
         names = what.split("+")
-        if "attn_proj" in names and "core_attn" not in names:
-            names.insert(0, "core_attn")
+        for name, src in SHARED_INPUT.items():  # a name needs the one whose output it saves
+            if name in names and src not in names:
+                names.insert(0, src)
         off = offload_activations(model, names)
 
     def cleanup() -> None:
@@ -239,7 +241,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
             out["forward_s"] = median(fwd)
         stats = getattr(handle, "stats", None)
         if stats is not None:
-            st = stats()
+            st = stats().as_dict()
             out["offloaded_bytes"] = st["offloaded_bytes"]
             out["by_name"] = st["by_name"]
             out["reloaded"] = {

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .._units import MiB
+
 NAME = "comm"
 TARGETS = {"suspend_resume_s": ("<", 1.0), "freed_fraction": (">=", 0.9), "speedup_vs_recreate": (">=", 5.0)}
 
@@ -92,7 +94,7 @@ def _worker(rank: int, world: int, counts: list[int], reps: int, port: int, out:
                 point: dict[str, Any] = {}
                 if can_suspend:
                     stats = comm.memory_stats(gs)
-                    point["suspendable_bytes"] = sum(v["suspendable_bytes"] for v in stats.values())
+                    point["suspendable_bytes"] = sum(v.suspendable_bytes or 0 for v in stats.values())
                     rows = cycles(gs, "suspend")
                     point.update(runs=rows, **best(rows))
                 # rlmem's fallback: the communicators destroyed and rebuilt under the same group objects.
@@ -187,11 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                 "n": n,
                 "susp": v.get("suspend_s", nan) * 1e3,
                 "res": (v.get("resume_s", nan) + v.get("first_collective_s", nan)) * 1e3,
-                "mib": v.get("suspendable_bytes", nan) / 2**20,
-                "freed": v.get("freed_bytes", nan) / 2**20,
+                "mib": v.get("suspendable_bytes", nan) / MiB,
+                "freed": v.get("freed_bytes", nan) / MiB,
                 "rsusp": v["rebuild_suspend_s"] * 1e3,
                 "rres": (v["rebuild_resume_s"] + v["rebuild_first_collective_s"]) * 1e3,
-                "rfreed": v["rebuild_freed_bytes"] / 2**20,
+                "rfreed": v["rebuild_freed_bytes"] / MiB,
                 "rec": (v["destroy_s"] + v["recreate_s"]) * 1e3,
             }
         )

@@ -140,7 +140,7 @@ def _measure_train(model: Any, cfg: dict[str, Any], device: torch.device) -> dic
             "region_bytes": 0,
         }
         if cfg.get("offload"):
-            out["offloaded_bytes"] = off.stats()["offloaded_bytes"]
+            out["offloaded_bytes"] = off.stats().offloaded_bytes
         return out
     finally:
         if ck is not None:
@@ -182,7 +182,7 @@ def _measure_rollout(model: Any, cfg: dict[str, Any], device: torch.device) -> d
             torch.cuda.synchronize(device)
             regions = sampler.region.resident_bytes
             if pm.state is not None:
-                regions += sum(c["resident_bytes"] for c in pm.state.stats()["categories"].values())
+                regions += sum(c.resident_bytes for c in pm.state.stats().categories.values())
             out = {
                 "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
