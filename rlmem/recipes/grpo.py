@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -41,8 +42,10 @@ from ..monitor.timeline import MemoryTimeline
 from ..plan import presets
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
-from . import _config
+from . import _config, checkpoint
 from ._report import _Bar, _max_used, _step_line, _summarize, _title, _track, report
+from .data import PromptData, TextTokenizer, load_tokenizer
+from .rewards import load_reward, score
 from .task import CharTokenizer, SortDigitsTask
 
 __all__ = ["GRPOConfig", "main", "report", "run"]
@@ -65,8 +68,19 @@ class GRPOConfig:
     """Everything a run takes; the YAML keys and ``key=value`` overrides of ``rlmem train``.
 
     Args:
-        model: ``"tiny"`` (embedded), a preset of :mod:`rlmem.presets` (random init), or a directory saved
-            with ``save_pretrained``.
+        model: ``"tiny"`` (embedded), a preset of :mod:`rlmem.plan.presets` (random init), or a directory
+            saved with ``save_pretrained``.
+        data: a local JSONL, JSON, CSV or Parquet file (or a directory of them) of prompts and answers; None:
+            the embedded sort-digits task.
+        prompt_key, answer_key: the data's columns (a prompt is a string or a list of chat messages).
+        reward: ``"auto"`` (``sort_digits`` for the toy task, ``math`` with ``data``), ``exact``, ``math``, or
+            ``module:function`` / ``path.py:function`` of (prompt, completion, answer).
+        tokenizer: a directory holding the tokenizer; None: the model's directory (with ``data``).
+        chat_template: ``"auto"`` (the tokenizer's chat template when it has one) or ``"none"``.
+        max_prompt_len: prompts longer than this (in tokens) are dropped and counted.
+        save_every: write ``out_dir/checkpoint-STEP/`` every this many steps and at the end; None: at the
+            end only; 0: never.
+        resume: ``"auto"`` (the latest checkpoint in ``out_dir``, if any) or a checkpoint directory.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         seed: seeds the model init, the prompts and the sampler.
         steps: rollout + train iterations.
@@ -98,6 +112,15 @@ class GRPOConfig:
     """
 
     model: str = "tiny"
+    data: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward: str = "auto"
+    tokenizer: str | None = None
+    chat_template: str = "auto"
+    max_prompt_len: int = 512
+    save_every: int | None = None
+    resume: str | None = None
     device: str = "auto"
     seed: int = 0
     steps: int = 200
@@ -164,6 +187,24 @@ class GRPOConfig:
         for f in ("gradient_checkpointing", "progress", "plot", "dynamic_batching"):
             need(f, isinstance(getattr(self, f), bool), "true or false")
         need("out_dir", isinstance(self.out_dir, str) and bool(self.out_dir), "a path")
+        for f in ("data", "tokenizer", "resume"):
+            need(
+                f,
+                getattr(self, f) is None or (isinstance(getattr(self, f), str) and getattr(self, f)),
+                "a path",
+            )
+        for f in ("prompt_key", "reward"):
+            need(f, isinstance(getattr(self, f), str) and bool(getattr(self, f)), "a non-empty string")
+        need("answer_key", isinstance(self.answer_key, str), "a string ('' for rewards that need no answer)")
+        need("chat_template", self.chat_template in ("auto", "none"), "'auto' or 'none'")
+        need("max_prompt_len", is_int(self.max_prompt_len) and self.max_prompt_len >= 1, "an int >= 1")
+        se = self.save_every
+        need("save_every", se is None or (is_int(se) and se >= 0), "None, 0 (never) or an int >= 1")
+        need(
+            "reward",
+            self.data is not None or self.reward in ("auto", "sort_digits"),
+            "'auto' or 'sort_digits' without data= (the toy task scores itself)",
+        )
         SortDigitsTask(min_digits=self.min_digits, max_digits=self.max_digits)  # validates both
         if self.kv_budget is not None:
             v = self.kv_budget
@@ -206,14 +247,17 @@ def _setup_device(cfg: GRPOConfig) -> tuple[torch.device, int, int]:
     return device, dist.get_rank(), world
 
 
-def build_policy(cfg: GRPOConfig, device: torch.device, dtype: torch.dtype, vocab: int) -> nn.Module:
+def build_policy(
+    cfg: GRPOConfig, device: torch.device, dtype: torch.dtype, vocab: int, max_len: int = 0
+) -> nn.Module:
     """The policy: the embedded tiny config, a named preset, or a local checkpoint; random init seeded."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(cfg.seed)
     if cfg.model == "tiny":
+        conf = {**TINY, "max_position_embeddings": max(TINY["max_position_embeddings"], max_len)}
         with torch.device(device):
-            model = Qwen2ForCausalLM(Qwen2Config(**TINY, vocab_size=vocab))
+            model = Qwen2ForCausalLM(Qwen2Config(**conf, vocab_size=vocab))
         return model.to(dtype)
     if cfg.model in presets.QWEN2:
         return presets.build(cfg.model, device, dtype, seed=cfg.seed)
@@ -223,9 +267,16 @@ def build_policy(cfg: GRPOConfig, device: torch.device, dtype: torch.dtype, voca
             f"model must be 'tiny', one of the presets {', '.join(presets.QWEN2)}, or a directory with a "
             f"config.json saved by save_pretrained; got {cfg.model!r}"
         )
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ValueError(
+            f"model: {str(path)!r} has a config.json but no weights (*.safetensors or *.bin); finish its "
+            "download, or use a preset for random weights"
+        )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if model.config.vocab_size < vocab:
-        raise ValueError(f"model {cfg.model!r} has {model.config.vocab_size} tokens; the task needs {vocab}")
+        raise ValueError(
+            f"model {cfg.model!r} has {model.config.vocab_size} tokens; the tokenizer or task needs {vocab}"
+        )
     return model
 
 
@@ -364,17 +415,41 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
 
     offload = cfg.offload if cfg.offload is not None else on_cuda
     out = Path(cfg.out_dir)
-    if lead:
-        out.mkdir(parents=True, exist_ok=True)
-        _config.dump(cfg, out / "config.yaml")
 
+    # The prompts: the embedded toy task, or the user's data through the model's tokenizer.
     tok = CharTokenizer()
     task = SortDigitsTask(min_digits=cfg.min_digits, max_digits=cfg.max_digits)
-    max_new = cfg.max_new_tokens or task.max_answer_tokens + 2
-    max_len = 2 + task.max_digits + max_new  # BOS, digits, '=', completion
+    data: PromptData | None = None
+    text_tok: TextTokenizer | None = None
+    reward_spec = "sort_digits"
+    if cfg.data is None:
+        max_new = cfg.max_new_tokens or task.max_answer_tokens + 2
+        max_len = 2 + task.max_digits + max_new  # BOS, digits, '=', completion
+        vocab, pad_id, eos_id = tok.vocab_size, tok.PAD, tok.EOS
+    else:
+        text_tok = load_tokenizer(cfg.tokenizer or cfg.model, chat_template=cfg.chat_template)
+        data = PromptData(
+            cfg.data,
+            text_tok,
+            prompt_key=cfg.prompt_key,
+            answer_key=cfg.answer_key,
+            max_prompt_len=cfg.max_prompt_len,
+            seed=cfg.seed,
+        )
+        reward_spec = "math" if cfg.reward == "auto" else cfg.reward
+        reward_fn = load_reward(reward_spec)
+        first = data.examples[0]  # a reward that raises is caught here, before anything is written
+        score(reward_fn, reward_spec, [first.prompt], [""], [first.answer], [first.row])
+        max_new = cfg.max_new_tokens or 256
+        max_len = data.longest + max_new
+        vocab, pad_id, eos_id = text_tok.vocab_size, text_tok.pad_id, text_tok.eos_id
+        say(
+            f"data: {len(data)} prompts from {cfg.data} "
+            f"({data.dropped} longer than max_prompt_len={cfg.max_prompt_len} dropped)"
+        )
 
     # Policy, reference, optimizer.
-    model = build_policy(cfg, device, param_dtype, tok.vocab_size)
+    model = build_policy(cfg, device, param_dtype, vocab, max_len)
     if cfg.gradient_checkpointing:  # Hugging Face's switch (renamed in transformers 5.x)
         enable = (
             getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -387,6 +462,35 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
             _shard(ref, device, world)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     _materialize_optimizer_state(opt)
+
+    # Resume: weights, optimizer state, RNG, data position (the reference stays the initial policy).
+    rng = random.Random(cfg.seed)
+    start = 0
+    if cfg.resume is not None:
+        where = checkpoint.latest(out) if cfg.resume == "auto" else Path(cfg.resume)
+        if where is None:
+            say(f"resume=auto: no checkpoint in {out}; starting at step 0")
+        else:
+            st = checkpoint.load(where, model=model, optimizer=opt, world=world)
+            start = int(st["step"])
+            checkpoint.set_rng_state(rng, st["rng"])
+            if data is not None and st.get("data") is not None:
+                data.load_state_dict(st["data"])
+            say(f"resumed from {where} at step {start}")
+
+    def save(done: int) -> Path:
+        return checkpoint.save(
+            out,
+            step=done,
+            model=model,
+            optimizer=opt,
+            tokenizer=text_tok,
+            rng=rng,
+            data=None if data is None else data.state_dict(),
+            config=dataclasses.asdict(cfg),
+            world=world,
+            rank=rank,
+        )
 
     # rlmem: one switch. During rollout the optimizer states go to pinned host memory and gradients are
     # dropped; the rollout runs on the policy's own weights, so they stay.
@@ -412,15 +516,32 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         f"offload {'on' if offload else 'off'} | {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
         f"{cfg.group_size} samples"
     )
-    log = (out / "log.jsonl").open("w") if lead else None
-    bar = _Bar(cfg.steps, enabled=cfg.progress and lead and sys.stderr.isatty())
+    if lead:  # only now: a run refused above has written nothing over an earlier one
+        out.mkdir(parents=True, exist_ok=True)
+        _config.dump(cfg, out / "config.yaml")
     history: list[dict[str, Any]] = []
-    rng = random.Random(cfg.seed)
+    if start and (out / "log.jsonl").is_file():
+        rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+        history = [r for r in rows if r["step"] < start]
+    log = None
+    if lead:
+        log = (out / "log.jsonl").open("w")
+        for r in history:  # what the resumed run had logged, without the steps it is about to repeat
+            log.write(json.dumps(r) + "\n")
+    bar = _Bar(cfg.steps, enabled=cfg.progress and lead and sys.stderr.isatty())
+    saved_at = start if cfg.resume is not None and start else None
+    updating = False
+    interrupted = False
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             t_step = time.perf_counter()
-            prompts = task.prompts(cfg.prompts_per_step, rng)[rank * prompts_rank : (rank + 1) * prompts_rank]
-            prompt_ids = [tok.encode(p, bos=True) for p in prompts]
+            mine = slice(rank * prompts_rank, (rank + 1) * prompts_rank)
+            if data is None:
+                prompts = task.prompts(cfg.prompts_per_step, rng)[mine]
+                prompt_ids = [tok.encode(p, bos=True) for p in prompts]
+            else:
+                exs = data.take(cfg.prompts_per_step)[mine]
+                prompt_ids = [e.ids for e in exs]
 
             # ---- rollout ------------------------------------------------------------------------
             with tl.phase("rollout", step) as ph_roll, pm.rollout():
@@ -433,8 +554,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                         model,
                         max_len=max_len,
                         batch_size=batch,
-                        pad_token_id=tok.PAD,
-                        eos_token_id=tok.EOS,
+                        pad_token_id=pad_id,
+                        eos_token_id=eos_id,
                         compute_dtype=amp_dtype,
                     )
                     pm.add_engine(sampler)
@@ -453,8 +574,23 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                     torch.cuda.synchronize(device)
                 rollout_s = time.perf_counter() - t0
                 _set_reshard(model, True, world)
-                texts = [p for p in prompts for _ in range(cfg.group_size)]
-                rewards = torch.tensor([task.reward(p, c, tok) for p, c in zip(texts, comps, strict=True)])
+                if data is None:
+                    texts = [p for p in prompts for _ in range(cfg.group_size)]
+                    rewards = torch.tensor(
+                        [task.reward(p, c, tok) for p, c in zip(texts, comps, strict=True)]
+                    )
+                else:
+                    grp = [e for e in exs for _ in range(cfg.group_size)]
+                    outs = [text_tok.decode(c) for c in comps]  # type: ignore[union-attr]
+                    got = score(
+                        reward_fn,
+                        reward_spec,
+                        [e.prompt for e in grp],
+                        outs,
+                        [e.answer for e in grp],
+                        [e.row for e in grp],
+                    )
+                    rewards = torch.tensor(got)
                 tl.sample("rollout", step)
             ph_roll["tokens"] = sum(len(c) for c in comps)
 
@@ -467,12 +603,14 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                     model.train()
                     adv = group_advantages(rewards, cfg.group_size)
                     seqs = [p + c for p, c in zip(group_prompts, comps, strict=True)]
-                    b = make_batch(seqs, [len(p) for p in group_prompts], tok.PAD)
+                    b = make_batch(seqs, [len(p) for p in group_prompts], pad_id)
                     old, refs = _score(model, ref, ref_state, b, cfg.micro_batch_size, device, autocast)
                     tl.sample("train", step)
+                    updating = True
                     loss_sum, kl_sum, gnorm = _update(
                         cfg, model, opt, b, adv, old, refs, device, autocast, tl, step, world
                     )
+                    updating = False
                 if on_cuda:
                     torch.cuda.synchronize(device)
                 train_s = time.perf_counter() - t_train
@@ -513,10 +651,22 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
             bar.clear()
             say(_step_line(rec, cfg.steps))
             bar.update(step + 1, rec["reward"])
+            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                save(step + 1)
+                saved_at = step + 1
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         bar.close()
         if log is not None:
             log.close()
+
+    done = len(history)
+    if cfg.save_every != 0 and done and saved_at != done:
+        if interrupted and updating:
+            say(f"interrupted during an update: step {done + 1} is lost; no checkpoint written for it")
+        else:
+            say(f"checkpoint: {save(done)}")
 
     summary = _summarize(cfg, history, tl, offload, precision, world, device)
     if lead:
@@ -529,11 +679,16 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 say(f"timeline plot: {tl.plot(out / 'memory.png', title=_title(cfg, offload, device))}")
             except RuntimeError as e:
                 say(f"(no plot: {e})")
-        say(
-            f"reward: first 5 steps {summary['reward_first5']:.3f} -> last 5 steps "
-            f"{summary['reward_last5']:.3f} | {summary['wall_s']:.1f} s | logs in {out}"
-        )
+        if history:
+            say(
+                f"reward: first 5 steps {summary['reward_first5']:.3f} -> last 5 steps "
+                f"{summary['reward_last5']:.3f} | {summary['wall_s']:.1f} s | logs in {out}"
+            )
+        if interrupted:
+            say(f"interrupted after {done} steps: log, timeline and summary in {out}")
     tl.check_leaks()
+    if interrupted:
+        raise KeyboardInterrupt
     return summary
 
 
@@ -673,8 +828,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append("offload=false")
     try:
         cfg = _config.load(GRPOConfig, args.config, overrides)
-    except ValueError as e:
-        p.error(str(e))
+    except ValueError as e:  # one line naming the key, as argparse would exit (2), without the usage block
+        print(f"rlmem train: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     done = False
     try:
         run(cfg)
@@ -682,6 +838,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"rlmem train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     except torch.OutOfMemoryError as e:
         print(
             f"rlmem train: out of device memory: {e}\n  try offload=true, a smaller kv_budget or "

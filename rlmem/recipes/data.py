@@ -1,0 +1,259 @@
+"""Prompts for ``rlmem train`` from a user's files and tokenizer.
+
+A data set is a local JSONL, JSON, CSV or Parquet file, or a directory of files of one of those kinds, read
+with the ``datasets`` library's local loaders (no download). Each row has a prompt (``prompt_key``: a string,
+or a list of chat messages ``{"role": ..., "content": ...}``) and an answer (``answer_key``) the reward
+compares the completion with. Prompts are tokenized once, through the model's chat template when it has
+one; prompts longer than ``max_prompt_len`` tokens are dropped and counted, never cut. Rows are shuffled by
+``seed``, again each epoch, and read in order; the position is part of a checkpoint, so a resumed run sees
+the rows an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EXTENSIONS", "Example", "PromptData", "TextTokenizer", "load_tokenizer"]
+
+# file suffix -> the datasets builder that reads it
+EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+CHAT_TEMPLATES = ("auto", "none")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt: as written in the file (text or messages), its token ids, its answer and its row."""
+
+    prompt: Any
+    ids: list[int]
+    answer: Any
+    row: int
+
+
+class TextTokenizer:
+    """A Hugging Face tokenizer as the recipe uses it: prompts in (chat template applied when asked and
+    present), ids of the completion out, and the pad and EOS ids rollout needs.
+
+    Args:
+        tok: a ``transformers`` tokenizer.
+        chat_template: ``"auto"`` (use the tokenizer's template when it has one) or ``"none"``.
+        name: where it came from, for messages.
+    """
+
+    def __init__(self, tok: Any, *, chat_template: str = "auto", name: str = "tokenizer") -> None:
+        if chat_template not in CHAT_TEMPLATES:
+            raise ValueError(
+                f"chat_template must be one of {', '.join(CHAT_TEMPLATES)}; got {chat_template!r}"
+            )
+        self.tok = tok
+        self.name = name
+        self.use_template = chat_template == "auto" and bool(getattr(tok, "chat_template", None))
+        eos = tok.eos_token_id
+        if eos is None:
+            raise ValueError(f"{name} has no EOS token: rollout cannot tell where a completion ends")
+        self.eos_id = int(eos)
+        self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(tok)
+
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        """Token ids of a prompt: a string, or a list of chat messages (which needs a chat template)."""
+        if isinstance(prompt, list):
+            if not self.use_template:
+                raise ValueError(
+                    f"a prompt is a list of chat messages but {self.name} "
+                    + (
+                        "has no chat template"
+                        if not getattr(self.tok, "chat_template", None)
+                        else "is used with chat_template=none"
+                    )
+                )
+            return list(self._template(prompt))
+        if self.use_template:
+            return list(self._template([{"role": "user", "content": prompt}]))
+        return list(self.tok(prompt, add_special_tokens=True)["input_ids"])
+
+    def _template(self, messages: list[dict[str, Any]]) -> list[int]:
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+            out = out["input_ids"]
+        return [int(i) for i in out]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of a completion, up to its EOS, special tokens left out."""
+        cut = list(ids)
+        if self.eos_id in cut:
+            cut = cut[: cut.index(self.eos_id)]
+        return self.tok.decode(cut, skip_special_tokens=True)
+
+    def save(self, path: str | Path) -> None:
+        self.tok.save_pretrained(str(path))
+
+
+def load_tokenizer(path: str, *, chat_template: str = "auto") -> TextTokenizer:
+    """The tokenizer saved in directory ``path`` (``AutoTokenizer``), left padding for rollout.
+
+    Raises:
+        ValueError: ``path`` is not a directory or holds no tokenizer (one line, naming the path).
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(
+            f"tokenizer: {str(p)!r} is not a directory (give the model's directory, or tokenizer=DIR)"
+        )
+    files = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"}
+    if not any((p / f).is_file() for f in files):
+        raise ValueError(
+            f"tokenizer: {str(p)!r} has no tokenizer files ({', '.join(sorted(files))}); save one there with "
+            "tokenizer.save_pretrained() or pass tokenizer=DIR"
+        )
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(p))
+    tok.padding_side = "left"
+    return TextTokenizer(tok, chat_template=chat_template, name=f"the tokenizer in {str(p)!r}")
+
+
+def _files(path: str) -> tuple[str, list[str]]:
+    p = Path(path)
+    if p.is_file():
+        kind = EXTENSIONS.get(p.suffix.lower())
+        if kind is None:
+            raise ValueError(f"data: {str(p)!r} is not one of {', '.join(EXTENSIONS)}")
+        return kind, [str(p)]
+    if p.is_dir():
+        found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in EXTENSIONS)
+        kinds = {EXTENSIONS[f.suffix.lower()] for f in found}
+        if not found:
+            raise ValueError(f"data: directory {str(p)!r} holds no {', '.join(EXTENSIONS)} files")
+        if len(kinds) > 1:
+            raise ValueError(
+                f"data: directory {str(p)!r} mixes file kinds ({', '.join(sorted(kinds))}); keep one"
+            )
+        return kinds.pop(), [str(f) for f in found]
+    raise ValueError(f"data: {str(p)!r} does not exist")
+
+
+def _check_prompt(prompt: Any, row: int, key: str, where: str) -> None:
+    if isinstance(prompt, str) and prompt:
+        return
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt
+        )
+    ):
+        return
+    raise ValueError(
+        f"data: row {row} of {where}: {key!r} must be a non-empty string or a list of "
+        f"{{'role', 'content'}} messages, got {prompt!r:.80}"
+    )
+
+
+class PromptData:
+    """The prompts of a local data set, tokenized, shuffled per epoch, read in order.
+
+    Args:
+        path: a file or a directory (see the module docstring).
+        tokenizer: how prompts become ids.
+        prompt_key, answer_key: the columns; ``answer_key`` may be ``""`` for rewards that need no answer.
+        max_prompt_len: prompts longer than this many tokens are dropped (counted in :attr:`dropped`).
+        seed: the shuffle's seed (each epoch reshuffles with ``seed`` and the epoch number).
+
+    Raises:
+        ValueError: a missing file or key, a malformed row, or no prompt short enough; one line naming it.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: TextTokenizer,
+        *,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        max_prompt_len: int = 512,
+        seed: int = 0,
+    ) -> None:
+        kind, files = _files(path)
+        import datasets
+
+        datasets.disable_progress_bars()
+        try:
+            ds = datasets.load_dataset(kind, data_files=files, split="train")
+        except Exception as e:  # the loaders' own errors name the file but run to many lines
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"data: could not read {path!r} as {kind}: {first}") from e
+        where = repr(path)
+        for key, what in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+            if key and key not in ds.column_names:
+                raise ValueError(
+                    f"data: {where} has no column {key!r} ({what}); "
+                    f"its columns are {', '.join(ds.column_names)}"
+                )
+        self.path = path
+        self.examples: list[Example] = []
+        self.dropped = 0
+        self.longest = 0
+        for row, rec in enumerate(ds):
+            prompt = rec[prompt_key]
+            _check_prompt(prompt, row, prompt_key, where)
+            answer = rec[answer_key] if answer_key else None
+            if answer_key and answer is None:
+                raise ValueError(f"data: row {row} of {where} has no {answer_key!r} (answer_key)")
+            ids = tokenizer.encode_prompt(prompt)
+            if len(ids) > max_prompt_len:
+                self.dropped += 1
+                continue
+            self.longest = max(self.longest, len(ids))
+            self.examples.append(Example(prompt=prompt, ids=ids, answer=answer, row=row))
+        if not self.examples:
+            raise ValueError(
+                f"data: every one of the {self.dropped} prompts of {where} is longer than max_prompt_len "
+                f"({max_prompt_len} tokens)"
+            )
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def take(self, n: int) -> list[Example]:
+        """The next ``n`` prompts, into the next epoch when this one runs out."""
+        out = []
+        for _ in range(n):
+            if self.index == len(self._order):
+                self.epoch += 1
+                self.index = 0
+                self._order = self._shuffled(self.epoch)
+            out.append(self.examples[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """Where reading stands (saved in a checkpoint)."""
+        return {"epoch": self.epoch, "index": self.index, "size": len(self.examples)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state``.
+
+        Raises:
+            ValueError: it was saved for a data set of another size.
+        """
+        if state.get("size") != len(self.examples):
+            raise ValueError(
+                f"resume: the checkpoint read a data set of {state.get('size')} prompts; {self.path!r} has "
+                f"{len(self.examples)} (other data, or another max_prompt_len)"
+            )
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._shuffled(self.epoch)

@@ -1,0 +1,223 @@
+"""rlmem train on a user's model directory, tokenizer, data and reward: checkpoints, resume, bad input.
+
+Everything is made here: a tiny Qwen2 saved with ``save_pretrained``, a byte-level BPE tokenizer trained in
+memory with ``tokenizers`` (with a chat template), and a JSONL of arithmetic questions.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+from rlmem.cli import main as cli_main
+from rlmem.recipes import checkpoint
+from rlmem.recipes.rewards import extract_answer, load_reward, math_reward, score
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _questions(n: int, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        out.append({"prompt": f"What is {a}+{b}?", "answer": str(a + b)})
+    return out
+
+
+def _tokenizer(path: Path, *, template: bool = True):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False)
+    corpus = [
+        f"{q['prompt']} The answer is {q['answer']}. \\boxed{{{q['answer']}}}" for q in _questions(200, 1)
+    ]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    if template:
+        fast.chat_template = TEMPLATE
+    fast.save_pretrained(str(path))
+    return fast
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = tmp_path_factory.mktemp("model")
+    tok = _tokenizer(d)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        vocab_size=len(tok),
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    Qwen2ForCausalLM(cfg).save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    f = tmp_path_factory.mktemp("data") / "arith.jsonl"
+    f.write_text("".join(json.dumps(q) + "\n" for q in _questions(24)))
+    return f
+
+
+def _train(model_dir: Path, data: Path, out: Path, *extra: str) -> int:
+    args = [
+        "train",
+        f"model={model_dir}",
+        f"data={data}",
+        "reward=math",
+        "device=cpu",
+        "prompts_per_step=4",
+        "group_size=2",
+        "micro_batch_size=4",
+        "max_new_tokens=6",
+        "progress=false",
+        "plot=false",
+        f"out_dir={out}",
+        *extra,
+    ]
+    return cli_main(args)
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_a_real_model_directory_trains_saves_and_resumes_bit_identically(model_dir, data_file, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    full = tmp_path / "full"
+    assert _train(model_dir, data_file, full, "steps=4", "save_every=0") == 0
+    part = tmp_path / "part"
+    assert _train(model_dir, data_file, part, "steps=2", "save_every=1") == 0
+    assert sorted(p.name for p in part.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    ck = part / "checkpoint-2"
+    loaded = AutoModelForCausalLM.from_pretrained(str(ck))
+    assert (
+        loaded.config.vocab_size == AutoTokenizer.from_pretrained(str(ck)).vocab_size
+        or len(AutoTokenizer.from_pretrained(str(ck))) <= loaded.config.vocab_size
+    )
+    assert _train(model_dir, data_file, part, "steps=4", "save_every=1", "resume=auto") == 0
+    a, b = _summary(full), _summary(part)
+    assert len(a["losses"]) == len(b["losses"]) == 4
+    assert a["losses"] == b["losses"] and a["rewards"] == b["rewards"]
+    assert checkpoint.latest(part).name == "checkpoint-4"
+
+
+def test_chat_messages_and_dropped_long_prompts(model_dir, tmp_path, capsys):
+    rows = [
+        {"prompt": [{"role": "user", "content": q["prompt"]}], "answer": q["answer"]} for q in _questions(8)
+    ]
+    rows.append({"prompt": "What is " + "1+" * 200 + "1?", "answer": "201"})
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _train(model_dir, f, tmp_path / "o", "steps=1", "save_every=0", "max_prompt_len=64") == 0
+    said = capsys.readouterr().out
+    assert "data: 8 prompts" in said and "(1 longer than max_prompt_len=64 dropped)" in said
+
+
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("missing_key", "has no column 'question' (prompt_key)"),
+        ("malformed_row", "row 1 of"),
+        ("raising_reward", "raised on data row"),
+        ("no_tokenizer", "has no tokenizer files"),
+        ("unknown_key", "unknown config key(s) 'epochz'"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_culprit(model_dir, data_file, tmp_path, capsys, case, expect):
+    out = tmp_path / "o"
+    extra: list[str] = ["steps=1", "save_every=0"]
+    data, model = data_file, model_dir
+    if case == "missing_key":
+        extra.append("prompt_key=question")
+    elif case == "malformed_row":
+        data = tmp_path / "bad.jsonl"
+        data.write_text(
+            json.dumps({"prompt": "What is 1+1?", "answer": "2"})
+            + "\n"
+            + json.dumps({"prompt": 5, "answer": "1"})
+            + "\n"
+        )
+    elif case == "raising_reward":
+        r = tmp_path / "myreward.py"
+        r.write_text("def reward(prompt, completion, answer):\n    raise KeyError('boom')\n")
+        extra.append(f"reward={r}:reward")
+    elif case == "no_tokenizer":
+        bare = tmp_path / "bare"
+        bare.mkdir()
+        for f in model_dir.iterdir():
+            if f.name in ("config.json", "model.safetensors", "generation_config.json"):
+                (bare / f.name).write_bytes(f.read_bytes())
+        model = bare
+    elif case == "unknown_key":
+        extra.append("epochz=3")
+    if case == "unknown_key":
+        with pytest.raises(SystemExit):
+            _train(model, data, out, *extra)
+    else:
+        assert _train(model, data, out, *extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert expect in err and len(err.splitlines()) <= 3, err
+    assert not (out / "log.jsonl").exists()  # nothing was written
+
+
+def test_resume_from_a_checkpoint_of_another_model_is_refused(model_dir, data_file, tmp_path, capsys):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    other = tmp_path / "ck" / "checkpoint-1"
+    cfg = Qwen2Config(
+        hidden_size=32,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=300,
+    )
+    Qwen2ForCausalLM(cfg).save_pretrained(str(other))
+    torch.save({"step": 1}, other / "trainer_state.pt")
+    out = tmp_path / "o"
+    assert _train(model_dir, data_file, out, "steps=2", f"resume={other}") == 2
+    err = capsys.readouterr().err
+    assert "is a checkpoint of another model" in err and "hidden_size 32 vs 64" in err
+    assert not (out / "log.jsonl").exists()
+
+
+def test_math_reward_reads_boxed_hashes_and_last_numbers():
+    assert extract_answer("so \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
+    assert extract_answer("work... #### 1,234") == "1,234"
+    assert extract_answer("I think 3 then 42.") == "42"
+    assert math_reward(None, "The answer is \\boxed{0.5}", "\\frac{1}{2}") == 1.0
+    assert math_reward(None, "#### 72", "Natalia sold 48/2 = 24 clips... #### 72") == 1.0
+    assert math_reward(None, "it is 71", "72") == 0.0
+    assert math_reward(None, "no number", "72") == 0.0
+    with pytest.raises(ValueError, match="reward must be one of"):
+        load_reward("nonsense")
+    with pytest.raises(ValueError, match="returned 'x' on data row 7"):
+        score(lambda p, c, a: "x", "f", ["p"], ["c"], ["a"], [7])
