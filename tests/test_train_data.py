@@ -221,3 +221,11 @@ def test_math_reward_reads_boxed_hashes_and_last_numbers():
         load_reward("nonsense")
     with pytest.raises(ValueError, match="returned 'x' on data row 7"):
         score(lambda p, c, a: "x", "f", ["p"], ["c"], ["a"], [7])
+
+
+def test_the_gsm8k_example_is_a_valid_config():
+    from rlmem.recipes import _config
+    from rlmem.recipes.grpo import GRPOConfig
+
+    cfg = _config.load(GRPOConfig, Path(__file__).parents[1] / "examples" / "grpo_gsm8k.yaml", [])
+    assert (cfg.prompt_key, cfg.answer_key, cfg.reward, cfg.lr) == ("question", "answer", "math", 1e-6)
