@@ -20,15 +20,55 @@ Public API:
         number per data-parallel rank, work balanced.
 """
 
-from . import comm
-from .activations import ActivationOffloader, CheckpointHandle, ModuleMap, checkpoint, offload_activations
-from .data import token_budget_batches
-from .errors import CudaError, HostOutOfMemoryError, OutOfMemoryError, RegionClosedError
-from .memory import Handle, Region, RegionStats
-from .memory._pinned import host_memory_held
-from .monitor import MemoryLeakWarning, MemoryTimeline
-from .plan import Hardware, MemoryEstimate, ModelShape, PlanOptions, Workload, estimate_memory, recommend
-from .train import Engine, OffloadConfig, PhaseManager, TrainState
+import importlib
+from typing import Any
+
+# Imported on first use (PEP 562), so `rlmem --help` and `rlmem train --help` answer without loading torch.
+_WHERE = {
+    "ActivationOffloader": ".activations",
+    "CheckpointHandle": ".activations",
+    "ModuleMap": ".activations",
+    "checkpoint": ".activations",
+    "offload_activations": ".activations",
+    "token_budget_batches": ".data",
+    "CudaError": ".errors",
+    "HostOutOfMemoryError": ".errors",
+    "OutOfMemoryError": ".errors",
+    "RegionClosedError": ".errors",
+    "Handle": ".memory",
+    "Region": ".memory",
+    "RegionStats": ".memory",
+    "host_memory_held": ".memory._pinned",
+    "MemoryLeakWarning": ".monitor",
+    "MemoryTimeline": ".monitor",
+    "Hardware": ".plan",
+    "MemoryEstimate": ".plan",
+    "ModelShape": ".plan",
+    "PlanOptions": ".plan",
+    "Workload": ".plan",
+    "estimate_memory": ".plan",
+    "recommend": ".plan",
+    "Engine": ".train",
+    "OffloadConfig": ".train",
+    "PhaseManager": ".train",
+    "TrainState": ".train",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "comm":
+        return importlib.import_module(".comm", __name__)
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'rlmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __version__ = "0.1.0"
 

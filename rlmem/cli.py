@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         p.print_help()
         return 2
     if argv[0] == "train":  # its own parser takes every remaining argument
+        if any(a in ("-h", "--help") for a in argv[1:]):
+            from .recipes.config import train_parser  # no torch: the help answers at once
+
+            train_parser().parse_args(["--help"])
         from .recipes import grpo
 
         return grpo.main(argv[1:])
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return grpo.report(args.run_dir, plot=not args.no_plot)
         except ValueError as e:
-            p.error(str(e))
+            print(f"rlmem report: error: {e}", file=sys.stderr)
+            return 2
     p.error(f"unknown arguments: {' '.join(rest)}")
     return 2

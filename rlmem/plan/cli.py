@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="tokens the LM head runs on (default: all)",
     )
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument(
+        "--precision",
+        default="mixed",
+        choices=PRECISIONS,
+        help="mixed: fp32 weights, bf16 compute (rlmem train's default on a GPU)",
+    )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--dp-shards", type=int, default=1, help="FSDP2 ranks sharding the state")
     p.add_argument("--rollout-batch", type=_count("--rollout-batch"), default=0)
@@ -71,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         "--engine", default="shared", choices=ENGINES, help="rollout on the training weights or not"
     )
     p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--offload-modules", default="", help="comma-separated names, or 'all'")
+    p.add_argument(
+        "--offload-modules", default="", help=f"comma-separated of {', '.join(DENSE_NAMES)}, or 'all'"
+    )
     p.add_argument("--offload-states", action="store_true", help="rlmem offload during rollout")
     p.add_argument(
         "--gpu-memory",

@@ -110,8 +110,14 @@ class ModelShape:
             return cls._from_config({"model_type": "qwen2", "attention_bias": True, **QWEN2[text]}, text)
         path = os.path.join(text, "config.json") if os.path.isdir(text) else text
         if not os.path.isfile(path):
+            if text.count("/") == 1 and not os.path.exists(text.split("/")[0]):
+                raise ValueError(
+                    f"model: {text!r} looks like a Hugging Face hub ID; rlmem plan reads no network: "
+                    f"download its config (hf download {text} config.json --local-dir DIR) and pass DIR"
+                )
             raise ValueError(
-                f"model must be a preset ({', '.join(QWEN2)}) or a config.json path; got {text!r}"
+                f"model must be a preset ({', '.join(QWEN2)}), a config.json or a directory holding one; "
+                f"got {text!r}"
             )
         with open(path) as f:
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,6 +17,28 @@ def _yaml() -> Any:
     except ImportError as e:  # pragma: no cover - pyyaml is a dependency of the train extra
         raise RuntimeError("config files need PyYAML: pip install 'rlmem[train]'") from e
     return yaml
+
+
+# YAML 1.2 floats. PyYAML implements YAML 1.1, whose float pattern needs a dot, so `lr: 1e-5` arrives as the
+# string "1e-5". A loader with this resolver reads it as a number; OmegaConf (verl's, torchtune's choice)
+# would too, but brings interpolation semantics and a dependency that a flat recipe config does not need.
+_FLOAT = re.compile(
+    r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+)
+
+
+def _loader() -> Any:
+    yaml = _yaml()
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+    return Loader
+
+
+def _parse(text: str) -> Any:
+    return _yaml().load(text, Loader=_loader())
 
 
 def load(cls: type[T], path: str | os.PathLike[str] | None, overrides: list[str]) -> T:
@@ -34,7 +57,7 @@ def load(cls: type[T], path: str | os.PathLike[str] | None, overrides: list[str]
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
+        data = _parse(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping of keys to values")
         values.update(data)
@@ -52,16 +75,10 @@ def load(cls: type[T], path: str | os.PathLike[str] | None, overrides: list[str]
 
 
 def _scalar(yaml: Any, raw: str) -> Any:
-    """A command-line value as YAML would read it, plus numbers YAML 1.1 leaves as text (``3e-4``)."""
+    """A command-line value as the config file's YAML would read it (``3e-4`` is a number)."""
     if not raw.strip():
         return ""
-    v = yaml.safe_load(raw)
-    if isinstance(v, str):
-        try:
-            return float(v)
-        except ValueError:
-            pass
-    return v
+    return _parse(raw)
 
 
 def dump(obj: Any, path: str | os.PathLike[str]) -> None:

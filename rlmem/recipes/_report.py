@@ -75,8 +75,8 @@ def _track(
 # -- output -------------------------------------------------------------------------------------------
 
 
-def _gib(v: Any) -> str:
-    return "-" if v is None else f"{v / GiB:.2f}"
+def _gib(v: Any, digits: int = 2) -> str:
+    return "-" if v is None else f"{v / GiB:.{digits}f}"
 
 
 def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
@@ -92,11 +92,12 @@ def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
 
 
 def _step_line(r: dict[str, Any], steps: int) -> str:
+    """One line per step, within 100 columns: reward, loss, KL, rollout throughput, rollout + train seconds,
+    device GiB in use during rollout / train (the switch seconds and the rest are in ``log.jsonl``)."""
     return (
-        f"step {r['step'] + 1:>3}/{steps} | reward {r['reward']:.3f} | loss {r['loss']:+.4f} "
-        f"| kl {r['kl']:.4f} | {r['tokens_per_s']:,.0f} tok/s | rollout {r['rollout_s']:.2f}s "
-        f"train {r['train_s']:.2f}s switch {r['switch_s']:.3f}s | device GiB rollout "
-        f"{_gib(r['used_rollout'])} train {_gib(r['used_train'])}"
+        f"step {r['step'] + 1:>{len(str(steps))}}/{steps} | reward {r['reward']:.3f} | loss {r['loss']:+.4f} "
+        f"| kl {r['kl']:.2g} | {r['tokens_per_s']:,.0f} tok/s | {r['rollout_s']:.1f}+{r['train_s']:.1f}s "
+        f"| GiB {_gib(r['used_rollout'], 1)}/{_gib(r['used_train'], 1)}"
     )
 
 
@@ -112,6 +113,7 @@ def _summarize(
     precision: str,
     world: int,
     device: torch.device,
+    wall_s: float,
 ) -> dict[str, Any]:
     def mean(key: str, rows: list[dict[str, Any]]) -> float:
         return sum(r[key] for r in rows) / max(len(rows), 1)
@@ -131,7 +133,8 @@ def _summarize(
         "step_s_mean": mean("step_s", hist),
         "rollout_tokens_per_s_mean": mean("tokens_per_s", hist),
         "switch_s_mean": mean("switch_s", hist),
-        "wall_s": sum(r["step_s"] for r in hist),
+        "wall_s": wall_s,  # the whole run, set-up and the end's report included
+        "steps_s": sum(r["step_s"] for r in hist),
         "phases": {k: v.as_dict() for k, v in tl.summary().items()},
         "leaks": [f.as_dict() for f in tl.leaks()],
     }

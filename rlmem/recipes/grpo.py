@@ -17,17 +17,14 @@ validation and the helpers the loop calls sit beside it. What it records and pri
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
-import math
 import os
 import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,183 +41,12 @@ from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
 from . import _config, checkpoint
 from ._report import _Bar, _max_used, _step_line, _summarize, _title, _track, report
+from .config import TINY, GRPOConfig, _is_float, train_parser
 from .data import PromptData, TextTokenizer, load_tokenizer
 from .rewards import load_reward, score
 from .task import CharTokenizer, SortDigitsTask
 
 __all__ = ["GRPOConfig", "main", "report", "run"]
-
-# The embedded policy: Qwen2's architecture at a size that learns the toy task on two CPU cores in minutes.
-TINY = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    intermediate_size=384,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
-PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
-
-
-@dataclass(kw_only=True)
-class GRPOConfig:
-    """Everything a run takes; the YAML keys and ``key=value`` overrides of ``rlmem train``.
-
-    Args:
-        model: ``"tiny"`` (embedded), a preset of :mod:`rlmem.plan.presets` (random init), or a directory
-            saved with ``save_pretrained``.
-        data: a local JSONL, JSON, CSV or Parquet file (or a directory of them) of prompts and answers; None:
-            the embedded sort-digits task.
-        prompt_key, answer_key: the data's columns (a prompt is a string or a list of chat messages).
-        reward: ``"auto"`` (``sort_digits`` for the toy task, ``math`` with ``data``), ``exact``, ``math``, or
-            ``module:function`` / ``path.py:function`` of (prompt, completion, answer).
-        tokenizer: a directory holding the tokenizer; None: the model's directory (with ``data``).
-        chat_template: ``"auto"`` (the tokenizer's chat template when it has one) or ``"none"``.
-        max_prompt_len: prompts longer than this (in tokens) are dropped and counted.
-        save_every: write ``out_dir/checkpoint-STEP/`` every this many steps and at the end; None: at the
-            end only; 0: never.
-        resume: ``"auto"`` (the latest checkpoint in ``out_dir``, if any) or a checkpoint directory.
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
-        seed: seeds the model init, the prompts and the sampler.
-        steps: rollout + train iterations.
-        prompts_per_step: prompts per step over all ranks; ``group_size`` completions each.
-        min_digits, max_digits: the task's prompt lengths.
-        max_new_tokens: completion limit; None: the task's answer length plus two.
-        temperature, top_p: sampling.
-        lr, weight_decay, max_grad_norm: AdamW and gradient clipping.
-        clip_eps: PPO ratio clip.
-        kl_coef: weight of the KL penalty to the initial policy; 0 builds no reference model.
-        updates_per_step: optimizer steps per rollout batch (the batch is split into that many mini-batches).
-        micro_batch_size: sequences per forward/backward.
-        dynamic_batching: train micro-batches by token budget instead of ``micro_batch_size``
-            (:func:`rlmem.token_budget_batches`, padded to each micro-batch's longest sequence, the same
-            number of micro-batches on every rank).
-        max_tokens_per_micro_batch: the budget with ``dynamic_batching`` (sequences x longest length).
-        precision: ``"fp32"``, ``"bf16-mixed"`` (fp32 weights, bf16 autocast), ``"bf16"`` (bf16 weights) or
-            ``"auto"`` (bf16-mixed on CUDA, fp32 on CPU).
-        offload: switch memory between phases with rlmem; None: on for CUDA, off on CPU.
-        kv_budget: KV cache size: bytes (``"16GiB"``), a fraction of the device's total memory (0 < x <= 1),
-            or None for exactly one rollout batch. Never larger than the rollout needs.
-        gradient_checkpointing: Hugging Face's activation checkpointing in the train phase.
-        out_dir: where the log, timeline, table and plot go.
-        progress: draw a progress bar on a terminal.
-        plot: write ``memory.png`` at the end (needs matplotlib).
-
-    Raises:
-        ValueError: a field is out of range; the message names it.
-    """
-
-    model: str = "tiny"
-    data: str | None = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    reward: str = "auto"
-    tokenizer: str | None = None
-    chat_template: str = "auto"
-    max_prompt_len: int = 512
-    save_every: int | None = None
-    resume: str | None = None
-    device: str = "auto"
-    seed: int = 0
-    steps: int = 200
-    prompts_per_step: int = 32
-    group_size: int = 8
-    min_digits: int = 2
-    max_digits: int = 5
-    max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    updates_per_step: int = 2
-    micro_batch_size: int = 64
-    dynamic_batching: bool = False
-    max_tokens_per_micro_batch: int | None = None
-    precision: str = "auto"
-    offload: bool | None = None
-    kv_budget: int | float | str | None = None
-    gradient_checkpointing: bool = False
-    out_dir: str = "runs/grpo"
-    progress: bool = True
-    plot: bool = True
-
-    def __post_init__(self) -> None:
-        def need(name: str, ok: bool, what: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
-
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-        need("model", isinstance(self.model, str) and bool(self.model), "'tiny', a preset or a directory")
-        need("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
-        for f in ("seed",):
-            need(f, is_int(getattr(self, f)) and getattr(self, f) >= 0, "an int >= 0")
-        for f in ("steps", "prompts_per_step", "group_size", "updates_per_step", "micro_batch_size"):
-            need(f, is_int(getattr(self, f)) and getattr(self, f) >= 1, "an int >= 1")
-        need("group_size", self.group_size >= 2, "an int >= 2 (advantages compare samples of a group)")
-        mnt = self.max_new_tokens
-        need("max_new_tokens", mnt is None or (is_int(mnt) and mnt >= 1), "None or an int >= 1")
-        need("temperature", is_num(self.temperature) and self.temperature > 0, "a number > 0")
-        need("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
-        need("lr", is_num(self.lr) and self.lr > 0, "a number > 0")
-        for f in ("weight_decay", "kl_coef"):
-            need(f, is_num(getattr(self, f)) and getattr(self, f) >= 0, "a number >= 0")
-        need("max_grad_norm", is_num(self.max_grad_norm) and self.max_grad_norm > 0, "a number > 0")
-        need("clip_eps", is_num(self.clip_eps) and 0 < self.clip_eps < 1, "in (0, 1)")
-        need("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
-        need("offload", self.offload in (None, True, False), "true, false or null (auto)")
-        mt = self.max_tokens_per_micro_batch
-        need("max_tokens_per_micro_batch", mt is None or (is_int(mt) and mt >= 1), "None or an int >= 1")
-        need(
-            "max_tokens_per_micro_batch",
-            not self.dynamic_batching or mt is not None,
-            "set (an int >= 1) when dynamic_batching is true",
-        )
-        for f in ("gradient_checkpointing", "progress", "plot", "dynamic_batching"):
-            need(f, isinstance(getattr(self, f), bool), "true or false")
-        need("out_dir", isinstance(self.out_dir, str) and bool(self.out_dir), "a path")
-        for f in ("data", "tokenizer", "resume"):
-            need(
-                f,
-                getattr(self, f) is None or (isinstance(getattr(self, f), str) and getattr(self, f)),
-                "a path",
-            )
-        for f in ("prompt_key", "reward"):
-            need(f, isinstance(getattr(self, f), str) and bool(getattr(self, f)), "a non-empty string")
-        need("answer_key", isinstance(self.answer_key, str), "a string ('' for rewards that need no answer)")
-        need("chat_template", self.chat_template in ("auto", "none"), "'auto' or 'none'")
-        need("max_prompt_len", is_int(self.max_prompt_len) and self.max_prompt_len >= 1, "an int >= 1")
-        se = self.save_every
-        need("save_every", se is None or (is_int(se) and se >= 0), "None, 0 (never) or an int >= 1")
-        need(
-            "reward",
-            self.data is not None or self.reward in ("auto", "sort_digits"),
-            "'auto' or 'sort_digits' without data= (the toy task scores itself)",
-        )
-        SortDigitsTask(min_digits=self.min_digits, max_digits=self.max_digits)  # validates both
-        if self.kv_budget is not None:
-            v = self.kv_budget
-            if isinstance(v, float) or (isinstance(v, str) and _is_float(v)):
-                need("kv_budget", 0 < float(v) <= 1, "bytes like '16GiB' or a fraction in (0, 1]")
-            else:
-                parse_bytes(v, "kv_budget")
-
-
-def _is_float(s: str) -> bool:
-    try:
-        float(s)
-    except ValueError:
-        return False
-    return "." in s or "e" in s.lower()
-
 
 # -- set-up -------------------------------------------------------------------------------------------
 
@@ -402,6 +228,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         ValueError: bad configuration (model, device, budget).
         rlmem.OutOfMemoryError / torch.OutOfMemoryError: the KV cache or training does not fit.
     """
+    t_run = time.perf_counter()
     device, rank, world = _setup_device(cfg)
     lead = rank == 0
     say = echo if lead else (lambda *a, **k: None)
@@ -668,7 +495,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         else:
             say(f"checkpoint: {save(done)}")
 
-    summary = _summarize(cfg, history, tl, offload, precision, world, device)
+    summary = _summarize(cfg, history, tl, offload, precision, world, device, time.perf_counter() - t_run)
     if lead:
         tl.save(out / "timeline.jsonl")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -808,14 +635,7 @@ def _set_reshard(model: nn.Module, reshard: bool, world: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``rlmem train [CONFIG.yaml] [key=value ...]``."""
-    p = argparse.ArgumentParser(prog="rlmem train", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", nargs="?", help="a YAML file (examples/*.yaml); keys as in GRPOConfig")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="override a config key")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="same as device=...")
-    p.add_argument("--model", help="same as model=... ('tiny', a preset, or a save_pretrained directory)")
-    p.add_argument("--no-offload", action="store_true", help="same as offload=false")
-    p.add_argument("--seed", type=int, help="same as seed=...")
-    p.add_argument("--out-dir", help="same as out_dir=...")
+    p = train_parser()
     args = p.parse_args(argv)
     overrides = list(args.overrides)
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
