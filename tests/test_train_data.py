@@ -108,13 +108,17 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def test_a_real_model_directory_trains_saves_and_resumes_bit_identically(model_dir, data_file, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_a_real_model_directory_trains_saves_and_resumes_bit_identically(
+    model_dir, data_file, tmp_path, precision
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     full = tmp_path / "full"
-    assert _train(model_dir, data_file, full, "steps=4", "save_every=0") == 0
+    prec = f"precision={precision}"
+    assert _train(model_dir, data_file, full, "steps=4", "save_every=0", prec) == 0
     part = tmp_path / "part"
-    assert _train(model_dir, data_file, part, "steps=2", "save_every=1") == 0
+    assert _train(model_dir, data_file, part, "steps=2", "save_every=1", prec) == 0
     assert sorted(p.name for p in part.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     ck = part / "checkpoint-2"
     loaded = AutoModelForCausalLM.from_pretrained(str(ck))
@@ -122,7 +126,7 @@ def test_a_real_model_directory_trains_saves_and_resumes_bit_identically(model_d
         loaded.config.vocab_size == AutoTokenizer.from_pretrained(str(ck)).vocab_size
         or len(AutoTokenizer.from_pretrained(str(ck))) <= loaded.config.vocab_size
     )
-    assert _train(model_dir, data_file, part, "steps=4", "save_every=1", "resume=auto") == 0
+    assert _train(model_dir, data_file, part, "steps=4", "save_every=1", "resume=auto", prec) == 0
     a, b = _summary(full), _summary(part)
     assert len(a["losses"]) == len(b["losses"]) == 4
     assert a["losses"] == b["losses"] and a["rewards"] == b["rewards"]
@@ -229,3 +233,69 @@ def test_the_gsm8k_example_is_a_valid_config():
 
     cfg = _config.load(GRPOConfig, Path(__file__).parents[1] / "examples" / "grpo_gsm8k.yaml", [])
     assert (cfg.prompt_key, cfg.answer_key, cfg.reward, cfg.lr) == ("question", "answer", "math", 1e-6)
+
+
+def test_eval_and_tensorboard(model_dir, data_file, tmp_path):
+    out = tmp_path / "o"
+    extra = ["steps=2", "save_every=0", f"eval_data={data_file}", "eval_every=1"]
+    try:
+        import tensorboard  # noqa: F401
+
+        extra.append("logger=tensorboard")
+    except ImportError:
+        pass
+    assert _train(model_dir, data_file, out, *extra) == 0
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["eval/reward"] <= 1.0 for r in rows)
+    if "logger=tensorboard" in extra:
+        assert any((out / "tb").iterdir())
+
+
+def test_logger_and_eval_keys_are_validated():
+    from rlmem.recipes.config import GRPOConfig
+
+    with pytest.raises(ValueError, match="logger must be one or more of tensorboard, wandb"):
+        GRPOConfig(logger="mlflow")
+    with pytest.raises(ValueError, match="eval_data must be unset without data="):
+        GRPOConfig(eval_data="x.jsonl")
+    with pytest.raises(ValueError, match="eval_every must be 0 without eval_data="):
+        GRPOConfig(data="d.jsonl", eval_every=5)
+
+
+def test_loggers_send_the_step_scalars(tmp_path, monkeypatch):
+    """TensorBoard and W&B through stand-ins with their APIs: the scalars of each step reach both."""
+    import sys
+    import types
+
+    from rlmem.recipes.loggers import Loggers
+
+    calls: list[tuple] = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            calls.append(("tb_dir", log_dir))
+
+        def add_scalar(self, k, v, step):
+            calls.append(("tb", k, v, step))
+
+        def close(self):
+            calls.append(("tb_close",))
+
+    class Run:
+        def log(self, scalars, step):
+            calls.append(("wandb", dict(scalars), step))
+
+        def finish(self):
+            calls.append(("wandb_finish",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: Run()))
+    lg = Loggers(["tensorboard", "wandb"], tmp_path, {"lr": 1.0}, resume=False)
+    lg.log({"step": 0, "reward": 0.5, "loss": 1.0, "eval/reward": 0.25, "kv_batch": 8})
+    lg.close()
+    assert ("tb", "train/reward", 0.5, 1) in calls and ("tb", "eval/reward", 0.25, 1) in calls
+    assert ("wandb", {"reward": 0.5, "loss": 1.0, "eval/reward": 0.25}, 1) in calls
+    assert ("tb_close",) in calls and ("wandb_finish",) in calls
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ValueError, match="pip install wandb"):
+        Loggers(["wandb"], tmp_path, {}, resume=False)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,39 +131,12 @@ def _summarize(
         "step_s_mean": mean("step_s", hist),
         "rollout_tokens_per_s_mean": mean("tokens_per_s", hist),
         "switch_s_mean": mean("switch_s", hist),
+        "skipped_updates": sum(int(r.get("skipped_updates", 0)) for r in hist),
         "wall_s": wall_s,  # the whole run, set-up and the end's report included
         "steps_s": sum(r["step_s"] for r in hist),
         "phases": {k: v.as_dict() for k, v in tl.summary().items()},
         "leaks": [f.as_dict() for f in tl.leaks()],
     }
-
-
-class _Bar:
-    """A one-line progress bar on stderr (only on a terminal; the per-step lines go to stdout)."""
-
-    def __init__(self, total: int, *, enabled: bool) -> None:
-        self.total, self.enabled, self.t0, self.shown = total, enabled, time.perf_counter(), False
-
-    def update(self, n: int, reward: float) -> None:
-        if not self.enabled:
-            return
-        w = 30
-        fill = int(w * n / self.total)
-        el = time.perf_counter() - self.t0
-        eta = el / n * (self.total - n) if n else 0.0
-        sys.stderr.write(
-            f"\r[{'#' * fill}{'.' * (w - fill)}] {n}/{self.total} reward {reward:.3f} eta {eta:.0f}s"
-        )
-        sys.stderr.flush()
-        self.shown = True
-
-    def clear(self) -> None:
-        if self.enabled and self.shown:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        self.clear()
 
 
 def report(run_dir: str | os.PathLike[str], *, echo: Any = print, plot: bool = True) -> int:

@@ -77,6 +77,7 @@ def save(
     config: dict[str, Any],
     world: int,
     rank: int,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``out_dir/checkpoint-{step}`` (every rank calls it; rank 0 writes). Returns its path."""
     final = Path(out_dir) / f"checkpoint-{step}"
@@ -89,7 +90,14 @@ def save(
         if tokenizer is not None and hasattr(tokenizer, "save"):
             tokenizer.save(tmp)
         torch.save(
-            {"step": step, "optimizer": opt_sd, "rng": rng_state(rng), "data": data, "config": config},
+            {
+                "step": step,
+                "optimizer": opt_sd,
+                "rng": rng_state(rng),
+                "data": data,
+                "config": config,
+                **(extra or {}),
+            },
             tmp / "trainer_state.pt",
         )
         shutil.rmtree(final, ignore_errors=True)

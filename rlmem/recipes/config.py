@@ -25,7 +25,7 @@ TINY = dict(
     max_position_embeddings=64,
     tie_word_embeddings=True,
 )
-PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
 
 
 @dataclass(kw_only=True)
@@ -46,6 +46,9 @@ class GRPOConfig:
         save_every: write ``out_dir/checkpoint-STEP/`` every this many steps and at the end; None: at the
             end only; 0: never.
         resume: ``"auto"`` (the latest checkpoint in ``out_dir``, if any) or a checkpoint directory.
+        eval_data: a data set like ``data`` scored every ``eval_every`` steps with greedy decoding and the
+            same reward (logged as ``eval/reward``); eval_every: 0 never.
+        logger: ``"tensorboard"``, ``"wandb"`` or both comma-separated, besides ``log.jsonl``; None: none.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         seed: seeds the model init, the prompts and the sampler.
         steps: rollout + train iterations.
@@ -62,8 +65,9 @@ class GRPOConfig:
             (:func:`rlmem.token_budget_batches`, padded to each micro-batch's longest sequence, the same
             number of micro-batches on every rank).
         max_tokens_per_micro_batch: the budget with ``dynamic_batching`` (sequences x longest length).
-        precision: ``"fp32"``, ``"bf16-mixed"`` (fp32 weights, bf16 autocast), ``"bf16"`` (bf16 weights) or
-            ``"auto"`` (bf16-mixed on CUDA, fp32 on CPU).
+        precision: ``"fp32"``, ``"bf16-mixed"`` (fp32 weights, bf16 autocast), ``"fp16-mixed"`` (fp32
+            weights, fp16 autocast, dynamic loss scaling: skipped steps are logged), ``"bf16"`` (bf16
+            weights) or ``"auto"`` (bf16-mixed on CUDA, fp32 on CPU).
         offload: switch memory between phases with rlmem; None: on for CUDA, off on CPU.
         kv_budget: KV cache size: bytes (``"16GiB"``), a fraction of the device's total memory (0 < x <= 1),
             or None for exactly one rollout batch. Never larger than the rollout needs.
@@ -86,6 +90,9 @@ class GRPOConfig:
     max_prompt_len: int = 512
     save_every: int | None = None
     resume: str | None = None
+    eval_data: str | None = None
+    eval_every: int = 0
+    logger: str | None = None
     device: str = "auto"
     seed: int = 0
     steps: int = 200
@@ -152,7 +159,19 @@ class GRPOConfig:
         for f in ("gradient_checkpointing", "progress", "plot", "dynamic_batching"):
             need(f, isinstance(getattr(self, f), bool), "true or false")
         need("out_dir", isinstance(self.out_dir, str) and bool(self.out_dir), "a path")
-        for f in ("data", "tokenizer", "resume"):
+        need("eval_every", is_int(self.eval_every) and self.eval_every >= 0, "an int >= 0 (0: never)")
+        need(
+            "eval_data",
+            self.eval_data is None or self.data is not None,
+            "unset without data= (the toy has none)",
+        )
+        need("eval_every", not self.eval_every or self.eval_data is not None, "0 without eval_data=")
+        need("logger", self.logger is None or isinstance(self.logger, str), "tensorboard, wandb, or both")
+        if self.logger:
+            from .loggers import parse_loggers
+
+            parse_loggers(self.logger)
+        for f in ("data", "tokenizer", "resume", "eval_data"):
             need(
                 f,
                 getattr(self, f) is None or (isinstance(getattr(self, f), str) and getattr(self, f)),

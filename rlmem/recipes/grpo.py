@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,10 @@ from ..plan import presets
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
 from . import _config, checkpoint
-from ._report import _Bar, _max_used, _step_line, _summarize, _title, _track, report
+from ._report import _max_used, _step_line, _summarize, _title, _track, report
 from .config import TINY, GRPOConfig, _is_float, train_parser
 from .data import PromptData, TextTokenizer, load_tokenizer
+from .loggers import Loggers, Progress, parse_loggers
 from .rewards import load_reward, score
 from .task import CharTokenizer, SortDigitsTask
 
@@ -235,7 +237,9 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
     on_cuda = device.type == "cuda"
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if on_cuda else "fp32")
     param_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    amp_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
+    amp_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    # fp16's narrow range needs dynamic loss scaling; a step whose gradients overflow is skipped.
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
 
     def autocast() -> Any:
         return torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
@@ -247,6 +251,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
     tok = CharTokenizer()
     task = SortDigitsTask(min_digits=cfg.min_digits, max_digits=cfg.max_digits)
     data: PromptData | None = None
+    eval_set: PromptData | None = None
     text_tok: TextTokenizer | None = None
     reward_spec = "sort_digits"
     if cfg.data is None:
@@ -269,6 +274,16 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         score(reward_fn, reward_spec, [first.prompt], [""], [first.answer], [first.row])
         max_new = cfg.max_new_tokens or 256
         max_len = data.longest + max_new
+        if cfg.eval_data is not None:
+            eval_set = PromptData(
+                cfg.eval_data,
+                text_tok,
+                prompt_key=cfg.prompt_key,
+                answer_key=cfg.answer_key,
+                max_prompt_len=cfg.max_prompt_len,
+                seed=cfg.seed,
+            )
+            max_len = max(data.longest, eval_set.longest) + max_new
         vocab, pad_id, eos_id = text_tok.vocab_size, text_tok.pad_id, text_tok.eos_id
         say(
             f"data: {len(data)} prompts from {cfg.data} "
@@ -303,6 +318,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
             checkpoint.set_rng_state(rng, st["rng"])
             if data is not None and st.get("data") is not None:
                 data.load_state_dict(st["data"])
+            if scaler is not None and st.get("scaler"):
+                scaler.load_state_dict(st["scaler"])
             say(f"resumed from {where} at step {start}")
 
     def save(done: int) -> Path:
@@ -317,6 +334,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
             config=dataclasses.asdict(cfg),
             world=world,
             rank=rank,
+            extra={"scaler": scaler.state_dict()} if scaler is not None else None,
         )
 
     # rlmem: one switch. During rollout the optimizer states go to pinned host memory and gradients are
@@ -355,7 +373,10 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         log = (out / "log.jsonl").open("w")
         for r in history:  # what the resumed run had logged, without the steps it is about to repeat
             log.write(json.dumps(r) + "\n")
-    bar = _Bar(cfg.steps, enabled=cfg.progress and lead and sys.stderr.isatty())
+    bar = Progress(cfg.steps, start, enabled=cfg.progress and lead)
+    loggers = (
+        Loggers(parse_loggers(cfg.logger), out, dataclasses.asdict(cfg), resume=bool(start)) if lead else None
+    )
     saved_at = start if cfg.resume is not None and start else None
     updating = False
     interrupted = False
@@ -400,6 +421,11 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 if on_cuda:
                     torch.cuda.synchronize(device)
                 rollout_s = time.perf_counter() - t0
+                eval_reward = None
+                if eval_set is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                    eval_reward = _evaluate(
+                        eval_set, sampler, text_tok, reward_fn, reward_spec, max_new, rank, world
+                    )
                 _set_reshard(model, True, world)
                 if data is None:
                     texts = [p for p in prompts for _ in range(cfg.group_size)]
@@ -434,9 +460,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                     old, refs = _score(model, ref, ref_state, b, cfg.micro_batch_size, device, autocast)
                     tl.sample("train", step)
                     updating = True
-                    loss_sum, kl_sum, gnorm = _update(
-                        cfg, model, opt, b, adv, old, refs, device, autocast, tl, step, world
-                    )
+                    trainer = _Trainer(model, opt, device, autocast, tl, world, scaler)
+                    loss_sum, kl_sum, gnorm, skipped = _update(cfg, trainer, b, adv, old, refs, step)
                     updating = False
                 if on_cuda:
                     torch.cuda.synchronize(device)
@@ -468,6 +493,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 "peak_train": tl.phases[-1].peak,
                 "used_rollout": _max_used(tl, "rollout", step),
                 "used_train": _max_used(tl, "train", step),
+                "skipped_updates": skipped,
+                **({"eval/reward": eval_reward} if eval_reward is not None else {}),
                 "kv_batch": sampler.batch_size,
                 "kv_bytes": sampler.kv_bytes,
             }
@@ -477,7 +504,9 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 log.flush()
             bar.clear()
             say(_step_line(rec, cfg.steps))
-            bar.update(step + 1, rec["reward"])
+            bar.update(rec["reward"])
+            if loggers is not None:
+                loggers.log(rec)
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save(step + 1)
                 saved_at = step + 1
@@ -487,6 +516,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         bar.close()
         if log is not None:
             log.close()
+        if loggers is not None:
+            loggers.close()
 
     done = len(history)
     if cfg.save_every != 0 and done and saved_at != done:
@@ -550,54 +581,103 @@ def _score(
     return old, refs
 
 
+def _evaluate(
+    eval_set: PromptData,
+    sampler: HFSampler,
+    tok: Any,
+    reward_fn: Any,
+    spec: str,
+    max_new: int,
+    rank: int,
+    world: int,
+) -> float:
+    """Mean reward of greedy completions of every evaluation prompt (each rank scores its share)."""
+    mine = eval_set.examples[rank::world]
+    comps = sampler.generate([e.ids for e in mine], max_new_tokens=max_new, temperature=0.0)
+    got = score(
+        reward_fn,
+        spec,
+        [e.prompt for e in mine],
+        [tok.decode(c) for c in comps],
+        [e.answer for e in mine],
+        [e.row for e in mine],
+    )
+    total = torch.tensor([sum(got), len(got)], dtype=torch.float64)
+    if world > 1:
+        dev = next(sampler.model.parameters()).device
+        total = total.to(dev)
+        dist.all_reduce(total)
+        total = total.cpu()
+    return total[0].item() / max(total[1].item(), 1.0)
+
+
+@dataclass
+class _Trainer:
+    """What an update needs besides the batch: the model and optimizer, where and how it computes, where
+    memory is recorded, the ranks, and the loss scaler of fp16 (None otherwise)."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    device: torch.device
+    autocast: Any
+    tl: MemoryTimeline
+    world: int
+    scaler: torch.amp.GradScaler | None
+
+
 def _update(
     cfg: GRPOConfig,
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
+    t: _Trainer,
     b: dict[str, torch.Tensor],
     adv: torch.Tensor,
     old: torch.Tensor,
     refs: torch.Tensor | None,
-    device: torch.device,
-    autocast: Any,
-    tl: MemoryTimeline,
     step: int,
-    world: int,
-) -> tuple[float, float, float]:
-    """``updates_per_step`` optimizer steps over a shuffled split of the batch, each from micro-batches."""
+) -> tuple[float, float, float, int]:
+    """``updates_per_step`` optimizer steps over a shuffled split of the batch, each from micro-batches.
+    Returns (loss, summed KL, last gradient norm, optimizer steps skipped by the fp16 loss scaler)."""
     n = b["ids"].shape[0]
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + step))
     minis = [m for m in order.tensor_split(cfg.updates_per_step) if m.numel()]
     loss_sum = kl_sum = 0.0
     gnorm = 0.0
+    skipped = 0
     for mini in minis:
         denom = max(b["resp"][mini].sum().item(), 1.0)
-        for mb in _micro_batches(cfg, b, mini, device, world):
+        for mb in _micro_batches(cfg, b, mini, t.device, t.world):
             # Right-padded: a micro-batch needs only the columns of its longest sequence.
             w = int(b["attn"][mb].sum(1).max())
-            ids, attn = b["ids"][mb, :w].to(device), b["attn"][mb, :w].to(device)
-            mask = b["resp"][mb, : w - 1].to(device)
-            logp = token_logprobs(model, ids, attn, autocast)
+            ids, attn = b["ids"][mb, :w].to(t.device), b["attn"][mb, :w].to(t.device)
+            mask = b["resp"][mb, : w - 1].to(t.device)
+            logp = token_logprobs(t.model, ids, attn, t.autocast)
             loss, kl = grpo_loss(
                 logp,
-                old[mb, : w - 1].to(device),
-                refs[mb, : w - 1].to(device) if refs is not None else None,
-                adv[mb].to(device),
+                old[mb, : w - 1].to(t.device),
+                refs[mb, : w - 1].to(t.device) if refs is not None else None,
+                adv[mb].to(t.device),
                 mask,
                 clip_eps=cfg.clip_eps,
                 kl_coef=cfg.kl_coef,
                 denom=denom,
             )
-            loss.backward()
+            (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
             loss_sum += loss.item() / len(minis)
             kl_sum += kl.item()
-        tl.sample("train", step)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        t.tl.sample("train", step)
+        if t.scaler is not None:
+            t.scaler.unscale_(t.opt)  # clip the true gradients
+        norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), cfg.max_grad_norm)
         gnorm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        opt.step()
-        opt.zero_grad()
-        tl.sample("train", step)
-    return loss_sum, kl_sum, gnorm
+        if t.scaler is not None:
+            before = t.scaler.get_scale()
+            t.scaler.step(t.opt)
+            t.scaler.update()
+            skipped += int(t.scaler.get_scale() < before)  # the scale drops exactly when a step is skipped
+        else:
+            t.opt.step()
+        t.opt.zero_grad()
+        t.tl.sample("train", step)
+    return loss_sum, kl_sum, gnorm, skipped
 
 
 def _micro_batches(
