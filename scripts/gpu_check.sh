@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|comm] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|train-real|comm] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # bench-grpo passes its args to rlmem bench grpo_colocated (e.g. --parts big-offload --merge);
@@ -78,6 +78,18 @@ if [[ $what == all || $what == bench || $what == bench-plan ]]; then
   python3 -m rlmem bench plan_accuracy --machine "$name" --json "$OUT/plan_accuracy-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_plan_accuracy.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == train-real ]]; then
+  # rlmem train on the real-work path: a preset-shaped random model with a tokenizer and data made here.
+  assets=/tmp/rlmem-assets
+  python3 scripts/tiny_assets.py "$assets" 2>&1 | tee "$OUT/train_assets.log"
+  for prec in bf16-mixed fp16-mixed; do
+    python3 -m rlmem train model="${TRAIN_MODEL:-qwen2-1.5b}" tokenizer="$assets/tokenizer" data="$assets/arith.jsonl" \
+      reward=math steps=3 prompts_per_step=16 group_size=4 max_new_tokens=32 micro_batch_size=16 offload=true \
+      precision=$prec save_every=0 progress=false plot=false out_dir="/tmp/rlmem-train-$prec" "$@" \
+      2>&1 | tee "$OUT/train_$prec.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  done
 fi
 if [[ $what == bench-vmm ]]; then
   python3 -m rlmem bench vmm_calls --machine "$name" --json "$OUT/vmm_calls-$name.json" "$@" 2>&1 | tee "$OUT/bench_vmm_calls.log"

@@ -299,3 +299,42 @@ def test_loggers_send_the_step_scalars(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ValueError, match="pip install wandb"):
         Loggers(["wandb"], tmp_path, {}, resume=False)
+
+
+def test_the_data_path_learns_a_toy_task(model_dir, tmp_path):
+    """The learnable toy on the real-work path: the embedded tiny model, the BPE tokenizer made here, a JSONL
+    of "Say 7." prompts and a user reward file (the completion starts with the digit): the reward rises
+    from ~0.1 to ~0.9 in 150 steps (14 s on the CPU); 60 steps here."""
+    rng = random.Random(0)
+    data = tmp_path / "echo.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Say {d}.", "answer": str(d)}) + "\n"
+            for d in (rng.randint(0, 9) for _ in range(256))
+        )
+    )
+    reward = tmp_path / "echo_reward.py"
+    reward.write_text(
+        "def reward(prompt, completion, answer):\n"
+        "    return 1.0 if completion.strip().startswith(str(answer)) else 0.0\n"
+    )
+    out = tmp_path / "o"
+    args = [
+        "train",
+        "model=tiny",
+        f"tokenizer={model_dir}",
+        f"data={data}",
+        f"reward={reward}:reward",
+        "chat_template=none",
+        "max_new_tokens=2",
+        "steps=60",
+        "lr=3e-3",
+        "save_every=0",
+        "progress=false",
+        "plot=false",
+        "device=cpu",
+        f"out_dir={out}",
+    ]
+    assert cli_main(args) == 0
+    s = _summary(out)
+    assert s["reward_first5"] < 0.3 and s["reward_last5"] > s["reward_first5"] + 0.3, s["rewards"]
