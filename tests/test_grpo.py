@@ -191,3 +191,43 @@ def test_dynamic_micro_batches_fit_the_budget_and_are_trimmed():
         GRPOConfig(dynamic_batching=True)
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be None or an int"):
         GRPOConfig(max_tokens_per_micro_batch=0)
+
+
+def test_ctrl_c_leaves_a_checkpoint_summary_and_timeline(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-u",
+        "-m",
+        "rlmem",
+        "train",
+        "device=cpu",
+        "steps=100000",
+        "prompts_per_step=4",
+        "group_size=2",
+        "plot=false",
+        "progress=false",
+        f"out_dir={out}",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def started() -> bool:
+        log = out / "log.jsonl"
+        return log.is_file() and bool(log.read_text())
+
+    deadline = time.time() + 120
+    while time.time() < deadline and not started():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted after" in stdout and (out / "summary.json").is_file()
+    assert (out / "timeline.jsonl").is_file()
+    done = json.loads((out / "summary.json").read_text())["steps"]
+    assert done >= 1 and (out / f"checkpoint-{done}" / "trainer_state.pt").is_file()

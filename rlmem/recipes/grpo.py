@@ -22,7 +22,9 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -380,6 +382,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
     saved_at = start if cfg.resume is not None and start else None
     updating = False
     interrupted = False
+    stop = _Stop(say)  # Ctrl-C finishes the step in flight, then saves; a second one stops at once
     try:
         for step in range(start, cfg.steps):
             t_step = time.perf_counter()
@@ -510,9 +513,13 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save(step + 1)
                 saved_at = step + 1
+            if stop.agreed(device, world):
+                interrupted = True
+                break
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        stop.restore()
         bar.close()
         if log is not None:
             log.close()
@@ -579,6 +586,37 @@ def _score(
     if ref_state is not None:
         ref_state.offload(params="offload", blocking=False)
     return old, refs
+
+
+class _Stop:
+    """The first SIGINT asks the loop to stop after the step in flight (so a checkpoint of whole steps can be
+    written); a second one interrupts at once. Every rank stops at the same step: the request is
+    all-reduced at the end of each step."""
+
+    def __init__(self, say: Any) -> None:
+        self.requested = False
+        self._say = say
+        self._old: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self._say("\nstopping after this step (Ctrl-C again to stop now)")
+
+    def agreed(self, device: torch.device, world: int) -> bool:
+        if world == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
 
 
 def _evaluate(
