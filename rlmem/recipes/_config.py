@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from pathlib import Path
@@ -27,7 +28,9 @@ _FLOAT = re.compile(
 )
 
 
+@functools.cache
 def _loader() -> Any:
+    """The YAML loader with the 1.2 float resolver, built once (every override is parsed with it)."""
     yaml = _yaml()
 
     class Loader(yaml.SafeLoader):
@@ -50,7 +53,6 @@ def load(cls: type[T], path: str | os.PathLike[str] | None, overrides: list[str]
         ValueError: an unknown key (the message lists the valid ones), an override without ``=``, a file
             that is not a mapping, or a value the dataclass rejects.
     """
-    yaml = _yaml()
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     values: dict[str, Any] = {}
     if path is not None:
@@ -65,7 +67,7 @@ def load(cls: type[T], path: str | os.PathLike[str] | None, overrides: list[str]
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key=value")
-        values[key.strip()] = _scalar(yaml, raw)
+        values[key.strip()] = _scalar(raw)
     unknown = sorted(k for k in values if k not in names)
     if unknown:
         raise ValueError(
@@ -74,7 +76,7 @@ def load(cls: type[T], path: str | os.PathLike[str] | None, overrides: list[str]
     return cls(**values)
 
 
-def _scalar(yaml: Any, raw: str) -> Any:
+def _scalar(raw: str) -> Any:
     """A command-line value as the config file's YAML would read it (``3e-4`` is a number)."""
     if not raw.strip():
         return ""

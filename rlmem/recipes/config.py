@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._units import parse_bytes
+from .data import CHAT_TEMPLATES
 from .task import SortDigitsTask
 
 __all__ = ["PRECISIONS", "TINY", "GRPOConfig", "keys_help", "train_parser"]
@@ -180,7 +181,7 @@ class GRPOConfig:
         for f in ("prompt_key", "reward"):
             need(f, isinstance(getattr(self, f), str) and bool(getattr(self, f)), "a non-empty string")
         need("answer_key", isinstance(self.answer_key, str), "a string ('' for rewards that need no answer)")
-        need("chat_template", self.chat_template in ("auto", "none"), "'auto' or 'none'")
+        need("chat_template", self.chat_template in CHAT_TEMPLATES, "'auto' or 'none'")
         need("max_prompt_len", is_int(self.max_prompt_len) and self.max_prompt_len >= 1, "an int >= 1")
         se = self.save_every
         need("save_every", se is None or (is_int(se) and se >= 0), "None, 0 (never) or an int >= 1")

@@ -262,14 +262,18 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         vocab, pad_id, eos_id = tok.vocab_size, tok.PAD, tok.EOS
     else:
         text_tok = load_tokenizer(cfg.tokenizer or cfg.model, chat_template=cfg.chat_template)
-        data = PromptData(
-            cfg.data,
-            text_tok,
-            prompt_key=cfg.prompt_key,
-            answer_key=cfg.answer_key,
-            max_prompt_len=cfg.max_prompt_len,
-            seed=cfg.seed,
-        )
+
+        def read(path: str) -> PromptData:  # training and evaluation data are read the same way
+            return PromptData(
+                path,
+                text_tok,
+                prompt_key=cfg.prompt_key,
+                answer_key=cfg.answer_key,
+                max_prompt_len=cfg.max_prompt_len,
+                seed=cfg.seed,
+            )
+
+        data = read(cfg.data)
         reward_spec = "math" if cfg.reward == "auto" else cfg.reward
         reward_fn = load_reward(reward_spec)
         first = data.examples[0]  # a reward that raises is caught here, before anything is written
@@ -277,14 +281,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         max_new = cfg.max_new_tokens or 256
         max_len = data.longest + max_new
         if cfg.eval_data is not None:
-            eval_set = PromptData(
-                cfg.eval_data,
-                text_tok,
-                prompt_key=cfg.prompt_key,
-                answer_key=cfg.answer_key,
-                max_prompt_len=cfg.max_prompt_len,
-                seed=cfg.seed,
-            )
+            eval_set = read(cfg.eval_data)
             max_len = max(data.longest, eval_set.longest) + max_new
         vocab, pad_id, eos_id = text_tok.vocab_size, text_tok.pad_id, text_tok.eos_id
         say(
