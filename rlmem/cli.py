@@ -16,6 +16,7 @@ _BENCHES = (
     "token_budget",
     "plan_accuracy",
     "vmm_calls",
+    "megatron",
 )
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|train-real|comm] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|train-real|comm] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # bench-grpo passes its args to rlmem bench grpo_colocated (e.g. --parts big-offload --merge);
 # bench-act passes its args to rlmem bench activations (e.g. --models qwen2-wide).
-# Carry .whl (torch_memory_saver 0.0.10) for the phase_switch comparison; see README.
+# bench-megatron passes its args to rlmem bench megatron (e.g. --parts switch).
+# Carry .whl (torch_memory_saver 0.0.10 for the phase_switch comparison, megatron-core 0.16.1 cp312 for the
+# Megatron tests and benchmark); see README.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlmem-gpu-check}
@@ -16,7 +18,7 @@ shift || true
 machine=${RLMEM_MACHINE:-}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
-# Wheels carried to the GPU machine (.whl/, git-ignored): torch_memory_saver for the phase_switch comparison.
+# Wheels carried to the GPU machine (.whl/, git-ignored): see the header.
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -90,6 +92,13 @@ if [[ $what == train-real ]]; then
       2>&1 | tee "$OUT/train_$prec.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   done
+fi
+if [[ $what == all || $what == bench || $what == bench-megatron ]]; then
+  extra=()
+  [[ $what == bench-megatron ]] && extra=("$@")
+  python3 -m rlmem bench megatron --machine "$name" --json "$OUT/megatron-$name.json" "${extra[@]}" \
+    2>&1 | tee "$OUT/bench_megatron.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == bench-vmm ]]; then
   python3 -m rlmem bench vmm_calls --machine "$name" --json "$OUT/vmm_calls-$name.json" "$@" 2>&1 | tee "$OUT/bench_vmm_calls.log"

@@ -5,16 +5,27 @@ moe_act``). Hugging Face Llama, Qwen2, Qwen2-MoE, Qwen3-MoE, Mixtral and GPT-2 (
 are mapped by module type and structure: the decoder layers are the longest ``ModuleList`` of identical
 blocks that hold an attention module; inside a layer the norms are its norm-typed children in order, the
 attention is the child typed as attention, its last linear child is the output projection and the others
-project q, k and v, and experts are a module with 3-D weights or a list of identical MLPs. Other models
-pass a :class:`ModuleMap` of module-path patterns.
+project q, k and v, and experts are a module with 3-D weights or a list of identical MLPs.
+
+Megatron-Core's ``TransformerLayer`` (the names' own home) is recognised by the submodules its layer spec
+defines (``input_layernorm``, ``self_attention.{linear_qkv, core_attention, linear_proj}``,
+``pre_mlp_layernorm``, ``mlp``), which are the same in the local and the Transformer Engine spec: each name
+maps to the module Megatron's own offloading wraps. In the Transformer Engine spec the norms are fused into
+``linear_qkv`` / ``linear_fc1`` (``input_layernorm`` is an ``IdentityOp``), so ``attn_norm`` and ``mlp_norm``
+have no module of their own there and are absent. MoE layers: ``expert_fc1`` is each local expert's
+``linear_fc1`` (``SequentialMLP``) or the grouped ``linear_fc1`` (``TEGroupedMLP``); Megatron's experts apply
+their activation as a function, not a module, so ``moe_act`` is absent. Other models pass a
+:class:`ModuleMap` of module-path patterns.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 __all__ = ["DENSE_NAMES", "NAMES", "SHARED_INPUT", "ModuleMap", "Target", "check_names", "find_module_map"]
@@ -148,13 +159,26 @@ def _is_activation(m: nn.Module) -> bool:
     )
 
 
+# Megatron-Core's TransformerLayer: the submodule names its layer spec fills in.
+_MC_LAYER = ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp")
+
+
+def _is_megatron_layer(m: nn.Module) -> bool:
+    kids = dict(m.named_children())
+    return all(n in kids for n in _MC_LAYER) and isinstance(
+        getattr(kids["self_attention"], "core_attention", None), nn.Module
+    )
+
+
 def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     best: list[tuple[str, nn.Module]] = []
     for path, m in model.named_modules():
         if not isinstance(m, nn.ModuleList) or len(m) == 0:
             continue
         kinds = {type(c) for c in m}
-        if len(kinds) != 1 or not any(_is_attention(c) for c in m[0].children()):
+        if len(kinds) != 1 or not (
+            _is_megatron_layer(m[0]) or any(_is_attention(c) for c in m[0].children())
+        ):
             continue
         if len(m) > len(best):
             best = [(f"{path}.{i}" if path else str(i), c) for i, c in enumerate(m)]
@@ -171,9 +195,45 @@ def _experts(block: nn.Module) -> nn.Module | None:
     return None
 
 
+def _map_megatron_layer(layer: nn.Module, add: Callable[[str, str, nn.Module], None]) -> int | None:
+    attn = layer.self_attention
+    hidden = None
+    norm = layer.input_layernorm
+    if list(norm.parameters()):  # an IdentityOp when the norm is fused into linear_qkv (TE spec)
+        add("attn_norm", "input_layernorm", norm)
+        w = getattr(norm, "weight", None)
+        hidden = int(w.shape[0]) if isinstance(w, torch.Tensor) else None
+    for name, sub in (
+        ("qkv_linear", "linear_qkv"),
+        ("core_attn", "core_attention"),
+        ("attn_proj", "linear_proj"),
+    ):
+        m = getattr(attn, sub, None)
+        if isinstance(m, nn.Module):
+            add(name, f"self_attention.{sub}", m)
+    qkv_w = getattr(getattr(attn, "linear_qkv", None), "weight", None)
+    if hidden is None and isinstance(qkv_w, torch.Tensor) and qkv_w.dim() == 2:
+        hidden = int(qkv_w.shape[1])
+    if list(layer.pre_mlp_layernorm.parameters()):
+        add("mlp_norm", "pre_mlp_layernorm", layer.pre_mlp_layernorm)
+    experts = getattr(layer.mlp, "experts", None)
+    if isinstance(experts, nn.Module):
+        local = getattr(experts, "local_experts", None)
+        if isinstance(local, nn.ModuleList):  # SequentialMLP: one MLP per local expert
+            for k, e in enumerate(local):
+                if isinstance(getattr(e, "linear_fc1", None), nn.Module):
+                    add("expert_fc1", f"mlp.experts.local_experts.{k}.linear_fc1", e.linear_fc1)
+        elif isinstance(getattr(experts, "linear_fc1", None), nn.Module):  # grouped experts (TEGroupedMLP)
+            add("expert_fc1", "mlp.experts.linear_fc1", experts.linear_fc1)
+    return hidden
+
+
 def _map_layer(i: int, path: str, layer: nn.Module, targets: dict[str, list[Target]]) -> int | None:
     def add(name: str, sub: str, m: nn.Module, param: str | None = None) -> None:
         targets.setdefault(name, []).append(Target(name, i, f"{path}.{sub}" if sub else path, m, param))
+
+    if _is_megatron_layer(layer):
+        return _map_megatron_layer(layer, add)
 
     norms = [(n, c) for n, c in layer.named_children() if _is_norm(c)]
     hidden = None

@@ -119,6 +119,7 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
     ">": lambda a, b: a > b,
     "<": lambda a, b: a < b,
     "<=": lambda a, b: a <= b,
+    "==": lambda a, b: a == b,
 }
 
 
@@ -146,3 +147,19 @@ def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return p
+
+
+def link_rates(device: torch.device, nbytes: int = 1 << 30) -> tuple[float, float]:
+    """Pinned D2H and H2D copy rates (bytes/s, best of 4) of ``nbytes``."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h, h2d = [], []
+    for _ in range(4):
+        for out, src, acc in ((host, dev, d2h), (dev, host, h2d)):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            acc.append(time.perf_counter() - t0)
+    del dev, host
+    return nbytes / min(d2h), nbytes / min(h2d)

@@ -38,6 +38,7 @@ from ..activations.modmap import SHARED_INPUT
 from ..plan.presets import QWEN2
 from ._common import (
     format_table,
+    link_rates,
     median,
 )
 from ._harness import Run
@@ -111,21 +112,6 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> to
     hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
     logits = model.lm_head(hidden[:, -HEAD_TOKENS:]).float()
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-def _link(device: torch.device, nbytes: int = 1 << 30) -> tuple[float, float]:
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d2h, h2d = [], []
-    for _ in range(4):
-        for out, src, acc in ((host, dev, d2h), (dev, host, h2d)):
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            out.copy_(src, non_blocking=True)
-            torch.cuda.synchronize(device)
-            acc.append(time.perf_counter() - t0)
-    del dev, host
-    return nbytes / min(d2h), nbytes / min(h2d)
 
 
 class _Torch:
@@ -338,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if not run_.needs_cuda():
         return 2
     device = run_.device
-    d2h, h2d = _link(device)
+    d2h, h2d = link_rates(device)
     link = {"d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d}
     print(f"link: D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s", flush=True)
     grids = {"qwen2-2.5b": args.grid, "qwen2-wide": args.grid_wide, "qwen2-moe-small": args.grid_moe}

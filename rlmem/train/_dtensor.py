@@ -72,7 +72,14 @@ def repoint(tensors: list[torch.Tensor], flat: torch.Tensor, src_byte_offset: in
             es = t.element_size()
             assert byte_offset % es == 0 and src_byte_offset % es == 0
             rel = t.storage_offset() - src_byte_offset // es
-            t.set_(base, byte_offset // es + rel, t.size(), t.stride())
+            if isinstance(t, nn.Parameter):
+                # set_() on a leaf gives it a new gradient accumulator, and the hooks DDP (Megatron's too)
+                # put on the old one would stop firing; assigning .data keeps it.
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    base, byte_offset // es + rel, t.size(), t.stride()
+                )
+            else:
+                t.set_(base, byte_offset // es + rel, t.size(), t.stride())
 
 
 def copy_storage(src: torch.Tensor, flat: torch.Tensor) -> None:

@@ -50,6 +50,7 @@ from .._results import Result
 from ..memory.region import Handle, Region, _round_up
 from . import _dtensor as _dt
 from . import _holders
+from . import _megatron as _mc
 from ._holders import Entry, Holder
 
 __all__ = ["CATEGORIES", "POLICIES", "CategoryStats", "SwitchRecord", "TrainState", "TrainStateStats"]
@@ -141,14 +142,19 @@ class TrainState:
     """Parameters, gradients and optimizer states of a model, adopted into Regions so they can be offloaded.
 
     Args:
-        model: any ``nn.Module``, DDP- or FSDP2-wrapped too (DTensor parameters: each rank adopts its own
-            shards, and FSDP's sharded storage is re-pointed so FSDP keeps working unchanged; gradients
-            FSDP makes are adopted when offloaded). Tied parameters keep one storage; frozen parameters
+        model: any ``nn.Module`` (or a list of them: Megatron's virtual-pipeline chunks), DDP- or
+            FSDP2-wrapped too (DTensor parameters: each rank adopts its own shards, and FSDP's sharded
+            storage is re-pointed so FSDP keeps working unchanged; gradients FSDP makes are adopted when
+            offloaded), or wrapped in Megatron-Core's ``DistributedDataParallel`` (its contiguous parameter
+            and gradient buffers are adopted whole, one storage each, and every view of them, ``main_grad``
+            and the buckets' included, stays valid). Tied parameters keep one storage; frozen parameters
             count as params;
             parameters with dense non-contiguous strides (a transposed weight) keep them, and the rare ones
             with gaps between elements become contiguous. Parameters may live on several devices
             (one Region per category and device) or on the CPU (host backend).
-        optimizer: any ``torch.optim.Optimizer`` over parameters of ``model`` (or None).
+        optimizer: any ``torch.optim.Optimizer`` over parameters of ``model``, an optimizer that
+            Megatron-Core's ``get_megatron_optimizer`` returns (its fp32 main parameters are adopted with
+            the optimizer states), or None.
         buffers: also adopt the model's buffers (category ``"buffers"``).
         name: a label for Regions, errors and stats.
 
@@ -167,21 +173,32 @@ class TrainState:
 
     def __init__(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        model: nn.Module | list[nn.Module],
+        optimizer: Any = None,
         *,
         buffers: bool = False,
         name: str = "train",
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+            root: nn.Module = nn.ModuleList(model)  # a view of the chunks; they stay as they are
+        elif isinstance(model, nn.Module):
+            root = model
+        else:
             raise ValueError(
-                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+                "model must be a torch.nn.Module or a non-empty list of them (model chunks), got "
+                f"{type(model).__name__}"
+            )
+        wrapper = _mc.is_wrapper(optimizer)
+        if optimizer is not None and not wrapper and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                "optimizer must be a torch.optim.Optimizer, a Megatron-Core optimizer (one with an inner "
+                f"torch optimizer, or chained ones) or None, got {type(optimizer).__name__}"
             )
         check_flag("buffers", buffers)
         self.model = model
         self.optimizer = optimizer
+        self._root = root
+        self._opts = _mc.torch_optimizers(optimizer)
         self.name = name
         self._regions: dict[str, list[Region]] = {c: [] for c in CATEGORIES}
         self._params: list[nn.Parameter] = []
@@ -190,6 +207,7 @@ class TrainState:
         self._buffer_slots: list[tuple[nn.Module, str, _Slot]] = []
         self._repointed: list[tuple[str, Region, torch.Tensor, list[torch.Tensor]]] = []
         self._state_slots: dict[tuple[int, str], _Slot] = {}
+        self._opt_of: dict[int, torch.optim.Optimizer] = {}  # parameter id -> the optimizer holding its state
         self._hooks: list[Any] = []
         self._policy: dict[str, str] = dict.fromkeys(CATEGORIES, "keep")
         self._pending: dict[str, list[Handle]] = {c: [] for c in CATEGORIES}
@@ -205,20 +223,31 @@ class TrainState:
             "reload_bytes": 0,
         }
         self._closed = False
+        # Megatron-Core: storages adopted whole (their flats' ids), the Regions whose discard points at a
+        # zeroed stand-in, and the Regions to zero when they come back.
+        self._whole: set[int] = set()
+        self._standin: set[int] = set()
+        self._standin_dirty: set[int] = set()
+        self._zero_on_return: set[int] = set()
 
-        params = self._collect_params(model, optimizer)
+        params = list(root.parameters())
+        self._mc = _mc.find(root, params, self._opts, wrapper)
+        params = self._collect_params(root, params)
         self._adopt_params(params)
         self._adopt_grads(params)
+        self._adopt_whole("optimizer", self._mc.main_params)
+        for t in self._mc.main_params:
+            self._param_by_id[id(t)] = t  # type: ignore[assignment]
         if buffers:
-            self._adopt_buffers(model)
-        if optimizer is not None:
-            self.adopt_optimizer_states()
-            self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+            self._adopt_buffers(root)
+        for opt in self._opts:
+            self._hooks.append(opt.register_step_pre_hook(self._before_step))
             self._hooks.append(
-                optimizer.register_state_dict_pre_hook(lambda *_: self._drain(("optimizer",), host=True))
+                opt.register_state_dict_pre_hook(lambda *_: self._drain(("optimizer",), host=True))
             )
-            self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.adopt_optimizer_states()))
-        for m in model.modules():
+            self._hooks.append(opt.register_step_post_hook(lambda *_: self.adopt_optimizer_states()))
+        self.adopt_optimizer_states()
+        for m in root.modules():
             if m._parameters or (buffers and m._buffers):
                 # prepend: run before FSDP's own pre-forward all-gather reads the sharded parameters
                 self._hooks.append(m.register_forward_pre_hook(self._before_forward, prepend=True))
@@ -227,10 +256,7 @@ class TrainState:
             torch.cuda.empty_cache()  # the tensors adopted from the caching allocator are free now
 
     # -- adoption ------------------------------------------------------------------------------------
-    def _collect_params(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> list[nn.Parameter]:
-        params = list(model.parameters())
+    def _collect_params(self, model: nn.Module, params: list[nn.Parameter]) -> list[nn.Parameter]:
         for p in params:
             plain = type(p.data) is torch.Tensor or _dt.is_dtensor(p.data)
             if not plain or p.is_sparse or p.is_quantized or p.is_meta or _dt.local(p.data).is_meta:
@@ -239,11 +265,11 @@ class TrainState:
                     f"{type(p.data).__name__} {'meta ' if p.is_meta else ''}parameter of shape "
                     f"{tuple(p.shape)}"
                 )
-        if optimizer is not None:
-            owned = {id(p) for p in params}
-            for gi, group in enumerate(optimizer.param_groups):
+        owned = {id(p) for p in params} | {id(t) for t in self._mc.main_params}
+        for opt in self._opts:
+            for gi, group in enumerate(opt.param_groups):
                 for p in group["params"]:
-                    if id(p) not in owned:
+                    if id(p) not in owned and _mc._key(p) not in self._mc.covered:
                         raise ValueError(
                             f"optimizer param_groups[{gi}] holds a parameter of shape {tuple(p.shape)} "
                             "that is not in the model; TrainState needs a model that owns every optimized "
@@ -288,10 +314,48 @@ class TrainState:
             _dt.repoint(g, flat)
             self._repointed.append((category, region, flat, g))
 
+    def _adopt_whole(self, category: str, tensors: list[torch.Tensor]) -> None:
+        """Adopt each tensor's whole storage, re-pointing every tensor object over it (Megatron's buffers and
+        main parameters, see ``_megatron.py``)."""
+        if not tensors:
+            return
+        before = len(self._repointed)
+        self._repoint(category, _mc.tensors_over(tensors))
+        for _, region, flat, _ in self._repointed[before:]:
+            self._whole.add(id(flat))
+            if category == "grads":
+                self._standin.add(id(region))
+
+    def _refresh_whole(self, categories: Iterable[str], *, strict: bool) -> None:
+        """Add to each whole storage's group the tensors made over it since it was adopted (Megatron makes
+        its shard views at the first gradient sync). ``strict``: raise, before anything is released, if
+        tensors Python cannot see still use one."""
+        cats = set(categories)
+        stale = [
+            (flat, g)
+            for c, _, flat, g in self._repointed
+            if c in cats and id(flat) in self._whole and _mc.unseen(g, flat)
+        ]
+        if not stale:
+            return
+        for (flat, g), found in zip(stale, _mc.tensors_over([f for f, _ in stale]), strict=True):
+            g[:] = _mc.others(found, flat)
+        left = sum(_mc.unseen(g, flat) for flat, g in stale)
+        if left and strict:
+            raise RuntimeError(
+                f"rlmem TrainState {self.name!r}: {left} tensor(s) over Megatron's buffers or main "
+                "parameters are held outside Python (by an unfinished asynchronous collective, or a CUDA "
+                "graph), so offloading now would leave them pointing at released memory; finish the "
+                "gradient and parameter syncs (model.finish_grad_sync(), optimizer.step()) before "
+                "entering rollout. Nothing was released."
+            )
+
     def _adopt_params(self, params: list[nn.Parameter]) -> None:
+        params = [p for p in params if _mc._key(p) not in self._mc.covered]  # before they move
+        self._adopt_whole("params", self._mc.param_storages)
         sharded = [p for p in params if _dt.is_dtensor(p.data)]
         if sharded:
-            holders = _dt.fsdp_holders(self.model)
+            holders = _dt.fsdp_holders(self._root)
             self._repoint(
                 "params", _dt.storage_groups([(_dt.local(p.data), holders.get(id(p), [])) for p in sharded])
             )
@@ -339,7 +403,12 @@ class TrainState:
         # autograd leaves with separate gradients.
         # Sharded (DTensor) gradients are made by FSDP's reduce-scatter, not accumulated by autograd: they
         # are adopted when offloaded (see offload()).
-        trainable = [p for p in params if p.requires_grad and not _dt.is_dtensor(p.data)]
+        self._adopt_whole("grads", self._mc.grad_storages)
+        trainable = [
+            p
+            for p in params
+            if p.requires_grad and not _dt.is_dtensor(p.data) and id(p) not in self._mc.grad_covered
+        ]
         regions = self._new_regions("grads", trainable)
         for p in trainable:
             region = regions[p.device]
@@ -374,14 +443,14 @@ class TrainState:
 
         Called after every ``optimizer.step()`` and at every offload; returns the number of tensors adopted.
         """
-        opt = self.optimizer
-        if opt is None or self._closed or self.paused("optimizer"):
+        if not self._opts or self._closed or self.paused("optimizer"):
             return 0
         self._drain(("optimizer",), host=False)  # states still pointing at the backup are not new ones
         todo: list[tuple[int, str, dict, torch.Tensor]] = []
         sharded: list[tuple[int, str, torch.Tensor]] = []
         live: set[tuple[int, str]] = set()
-        for p, st in opt.state.items():
+        for opt, p, st in ((o, p, st) for o in self._opts for p, st in o.state.items()):
+            self._opt_of[id(p)] = opt
             pdev = p.device
             for k, v in st.items():
                 dt = _dt.is_dtensor(v)
@@ -413,6 +482,7 @@ class TrainState:
             del self._state_slots[key]
             self._entry_cache.clear()
         used = {id(s.region) for s in self._state_slots.values()}
+        used |= {id(r) for c, r, flat, _ in self._repointed if c == "optimizer" and id(flat) in self._whole}
         for region in [r for r in self._regions["optimizer"] if id(r) not in used]:
             self._drop_region("optimizer", region)
         adopted = len(todo) + len(sharded)
@@ -433,8 +503,8 @@ class TrainState:
         inside = {t.data_ptr() for cat, _, _, g in self._repointed if cat == "grads" for t in g}
         self._repoint("grads", _dt.storage_groups([(g, []) for g in grads if g.data_ptr() not in inside]))
         live = {g.data_ptr() for g in grads}
-        for cat, region, _, g in list(self._repointed):
-            if cat == "grads" and not any(t.data_ptr() in live for t in g):
+        for cat, region, flat, g in list(self._repointed):
+            if cat == "grads" and id(flat) not in self._whole and not any(t.data_ptr() in live for t in g):
                 self._drop_region("grads", region)
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -454,7 +524,7 @@ class TrainState:
                 f"(params={self._policy['params']!r}); call reload() first, or offload with params='keep' "
                 "if the rollout runs on the training model"
             )
-        if self.paused("grads") and torch.is_grad_enabled() and self._grad_slots:
+        if self.paused("grads") and torch.is_grad_enabled() and (self._grad_slots or self._mc.grad_storages):
             raise RuntimeError(
                 f"rlmem TrainState {self.name!r}: the model was called with autograd on while its gradients "
                 "are offloaded; run the rollout under torch.no_grad() / torch.inference_mode(), or reload() "
@@ -504,10 +574,35 @@ class TrainState:
             if back and not host:
                 # Stream-ordered: work queued from now on sees the reloaded bytes.
                 self._attach(cat)
+            if back:
+                self._zero_returned(cat)
 
     def _attach(self, cat: str) -> None:
         _holders.attach(self._away[cat])
         self._away[cat] = []
+
+    def _zero_returned(self, cat: str) -> None:
+        """Zero the discarded Megatron grad buffers that are back (``zero_grad_buffer()`` semantics), on the
+        current stream, after their memory is mapped."""
+        back = [r for r in self._regions[cat] if id(r) in self._zero_on_return and not r.paused]
+        if not back:
+            return
+        for c, r, flat, _ in self._repointed:
+            if c == cat and any(r is b for b in back):
+                flat.zero_()
+        for b in back:
+            self._zero_on_return.discard(id(b))
+        for m in self._root.modules():
+            if m.__dict__.get("buffers") is not None and "params_with_grad" in m.__dict__:
+                for p in m.__dict__["params_with_grad"]:
+                    p.grad_added_to_main_grad = False  # the rest of Megatron's zero_grad_buffer()
+
+    def _zero_standin(self, region: Region) -> None:
+        if id(region) in self._standin_dirty:  # it held offloaded gradients: not a zeroed stand-in any more
+            backup = region._backup
+            assert backup is not None and backup.tensor is not None
+            backup.tensor[: region.used_bytes].zero_()
+            self._standin_dirty.discard(id(region))
 
     # -- offload / reload ----------------------------------------------------------------------------
     def paused(self, category: str) -> bool:
@@ -575,6 +670,13 @@ class TrainState:
             self._adopt_sharded_grads()
         if policies["optimizer"] == "discard":
             self._forget_optimizer_states()
+        if policies["grads"] != "keep":
+            # Megatron's optimizers give each main parameter a gradient that is a view of the grad buffer,
+            # remade at every step; drop them as optimizer.zero_grad() does, rather than chase them.
+            for t in self._mc.main_params:
+                t.grad = None
+        moving = [c for c, p in policies.items() if p != "keep" and not self.paused(c)]
+        self._refresh_whole(moving, strict=True)
         todo = [
             c
             for c in ("optimizer", "grads", "params", "buffers")
@@ -583,8 +685,8 @@ class TrainState:
             and not (c == "optimizer" and policies[c] == "discard")
         ]
         for cat in todo:  # every backup first: a host that cannot hold them gets an error before any release
-            if policies[cat] == "offload":
-                for region in self._regions[cat]:
+            for region in self._regions[cat]:
+                if policies[cat] == "offload" or id(region) in self._standin:
                     region.reserve_backup()
         handles: list[tuple[str, Handle]] = []
         for cat in todo:
@@ -592,19 +694,29 @@ class TrainState:
             if not self._regions[cat]:
                 continue
             for region in self._regions[cat]:
-                if policy == "offload":
+                keep = policy == "offload"
+                if keep or id(region) in self._standin:
                     # Once the copies are queued: the current stream ordered after them (no host wait), then
                     # every holder re-pointed at the backup while they run, so whatever reads it from now on,
                     # on this stream, reads the kept bytes. Only then may the release begin.
+                    # A discarded Megatron grad buffer is not copied: its views, which cannot be placeholders
+                    # (bucket and shard views of one storage), read the zeroed backup as a stand-in, as
+                    # after zero_grad_buffer(), until reload() brings the buffer back zeroed.
                     entries = self._entries(cat, region, groups=True)
                     away = partial(_backup_view, region, region.device.type == "cuda")
+                    if not keep:
+                        self._zero_standin(region)
+                        self._zero_on_return.add(id(region))
 
                     def then(h: Handle, entries: list[Entry] = entries, away: Any = away) -> None:
                         h.wait_copied()
                         _holders.detach(entries, away)
 
-                    h = region._pause(True, blocking, then)
-                    nbytes += region.used_bytes
+                    h = region._pause(keep, blocking, then)
+                    if keep:
+                        nbytes += region.used_bytes
+                        if id(region) in self._standin:
+                            self._standin_dirty.add(id(region))
                 else:
                     entries = self._entries(cat, region, groups=False)
                     why = (
@@ -640,6 +752,18 @@ class TrainState:
             "optimizer": check_policy("optimizer", optimizer),
             "buffers": check_policy("buffers", buffers),
         }
+        if pol["params"] == "discard" and self._mc.param_storages:
+            raise ValueError(
+                f"params='discard' is not available for TrainState {self.name!r}: its parameters live in "
+                "Megatron-Core's contiguous parameter buffers, whose views cannot be placeholders; use "
+                "params='offload' (or 'keep')"
+            )
+        if pol["optimizer"] == "discard" and self._mc.main_params:
+            raise ValueError(
+                f"optimizer='discard' is not available for TrainState {self.name!r}: its optimizer holds "
+                "Megatron-Core's fp32 main parameters, the weights of record, which cannot be forgotten; "
+                "use optimizer='offload' (or 'keep')"
+            )
         if pol["params"] == "discard" and any(_dt.is_dtensor(p) for p in self._params):
             raise ValueError(
                 f"params='discard' is not available for TrainState {self.name!r}: its parameters are "
@@ -680,16 +804,16 @@ class TrainState:
                     entry(slot.view).holders.append(
                         Holder(lambda m=m, n=n: m._buffers.get(n), partial(m._buffers.__setitem__, n))
                     )
-        elif self.optimizer is not None:
-            opt = self.optimizer
+        else:
             in_groups = {id(t) for _, _, _, g in self._repointed for t in g}
             for (pid, k), slot in self._state_slots.items():
                 p = self._param_by_id.get(pid)
-                if p is None or slot.region is not region or id(slot.view) in in_groups:
+                opt = self._opt_of.get(pid)
+                if p is None or opt is None or slot.region is not region or id(slot.view) in in_groups:
                     continue
                 entry(slot.view).holders.append(
                     Holder(
-                        lambda p=p, k=k: opt.state.get(p, {}).get(k),
+                        lambda p=p, k=k, opt=opt: opt.state.get(p, {}).get(k),
                         partial(_put_state, opt, p, k),
                     )
                 )
@@ -703,13 +827,11 @@ class TrainState:
     def _forget_optimizer_states(self) -> None:
         # Discarding optimizer states means forgetting them: step() then starts from fresh state, as a new
         # optimizer would, instead of reading uninitialised memory.
-        opt = self.optimizer
-        if opt is None:
-            return
         adopted = {pid for pid, _ in self._state_slots}
-        for p in list(opt.state):
-            if id(p) in adopted:
-                del opt.state[p]
+        for opt in self._opts:
+            for p in list(opt.state):
+                if id(p) in adopted:
+                    del opt.state[p]
         self._state_slots.clear()
         self._entry_cache.clear()
         for region in list(self._regions["optimizer"]):
@@ -809,6 +931,7 @@ class TrainState:
             return
         self.reload(blocking=True)
         self.synchronize()
+        self._refresh_whole(CATEGORIES, strict=False)
         copies: dict[int, torch.Tensor] = {}
 
         def plain(view: torch.Tensor) -> torch.Tensor:
@@ -827,8 +950,8 @@ class TrainState:
             m._buffers[n] = plain(slot.view)
         for _, _, flat, group in self._repointed:
             _dt.repoint(group, flat.clone(), src_byte_offset=flat.storage_offset())
-        if self.optimizer is not None:
-            for p, st in self.optimizer.state.items():
+        for opt in self._opts:
+            for p, st in opt.state.items():
                 for k, v in list(st.items()):
                     if _dt.is_dtensor(v):
                         continue  # re-pointed below with its storage group
