@@ -379,8 +379,20 @@ def test_plan_queue_respects_the_link():
     fits = _actplan.choose(c, budget=350, **link)
     assert [x.layer for x in fits.chosen] == [0]  # 50 bytes needed: the first hidden copy is enough
     over = _actplan.choose(c, budget=50, **link)
-    # Layer 3's copy ends after the forward pass: it lowers no peak, but no layer start waits for it.
-    assert len(over.chosen) == 4 and over.expected_overhead_s == 0
+    # Layer 3's copy ends after the forward pass: no forward layer waits for it, but the backward pass,
+    # which starts with layer 3, waits 1 s for its reload.
+    assert len(over.chosen) == 4 and over.expected_overhead_s == 1.0
+
+
+def test_plan_models_the_backward_waits_for_reloads():
+    # Backward (6 s over 4 layers: 1.5 s each) starts with the last layer: a 200-byte reload of layer 3 at
+    # 100 bytes/s would hold it 2 s; layer 2's is prefetched while layer 3 runs and hides.
+    c = [_actplan.Candidate("core_attn", i, 200 if i == 3 else 100, produced_s=i * 0.1) for i in range(4)]
+    link = dict(d2h_bytes_per_s=1e6, h2d_bytes_per_s=100.0, forward_s=4.0, step_s=10.0, activation_bytes=500)
+    plan = _actplan.choose(c, budget="auto", max_overhead=0.1, **link)  # 1 s allowed
+    assert [x.layer for x in plan.chosen] == [0, 1, 2]
+    assert plan.expected_overhead_s == 0
+    assert "reloads" in str(plan)
 
 
 def test_plan_takes_attn_proj_only_with_core_attn():
@@ -410,7 +422,8 @@ def test_unchosen_scopes_share_what_chosen_ones_offloaded():
 def test_plan_models_the_waits_two_layers_behind():
     c = [_actplan.Candidate("core_attn", i, 100, produced_s=i * 1.0) for i in range(4)]
     # 50 bytes/s: each copy takes 2 s. Layer 3 starts at 3 s and waits for layer 1's copy (2 -> 4 s): 1 s.
-    link = dict(d2h_bytes_per_s=50.0, forward_s=10.0, step_s=10.0, activation_bytes=400)
+    # (Reloads are made instant: this is the forward side alone.)
+    link = dict(d2h_bytes_per_s=50.0, h2d_bytes_per_s=1e12, forward_s=10.0, step_s=10.0, activation_bytes=400)
     plan = _actplan.choose(c, budget="auto", max_overhead=0, **link)
     assert [x.layer for x in plan.chosen] == [0, 2, 3]
     assert any("wait" in r for r in plan.reasons)

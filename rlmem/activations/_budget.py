@@ -124,6 +124,35 @@ def _stall(items: list[Candidate], rate: float, layer_starts: dict[int, float], 
     return shift
 
 
+def _backward_stall(
+    items: list[Candidate], rate: float, layers: list[int], backward_s: float, prefetch: int = 1
+) -> float:
+    """Seconds the backward pass waits for reloads. It runs the layers in reverse, ``backward_s`` spread
+    evenly over them; layer j's tensors are reloaded (one link, in order) from when the backward of layer
+    ``j + prefetch`` starts (the last layers' from when backward starts), and layer j's backward starts once
+    they are in. The last layers have the least time to get theirs back."""
+    if not items or not layers:
+        return 0.0
+    per = backward_s / len(layers)
+    nbytes: dict[int, int] = {}
+    for c in items:
+        nbytes[c.layer] = nbytes.get(c.layer, 0) + c.nbytes
+    order = sorted(layers, reverse=True)
+    starts: list[float] = []
+    t = link = stall = 0.0
+    for k, j in enumerate(order):
+        ready = 0.0
+        if nbytes.get(j):
+            issue = starts[k - prefetch] if k >= prefetch else 0.0
+            link = max(link, issue) + nbytes[j] / rate
+            ready = link
+        start = max(t, ready)
+        stall += start - t
+        starts.append(start)
+        t = start + per
+    return stall
+
+
 def choose(
     candidates: list[Candidate],
     *,
@@ -135,6 +164,7 @@ def choose(
     max_overhead: float,
     layer_starts: dict[int, float] | None = None,
     lag: int = 2,
+    h2d_bytes_per_s: float | None = None,
 ) -> OffloadPlan:
     """Pick candidates so that copies hide under the forward pass (``budget="auto"``), or so that at most
     ``budget`` bytes of activations stay on the device, hiding as much as possible.
@@ -142,7 +172,8 @@ def choose(
     A candidate hides if the copy queue still drains by the end of the forward pass plus the allowance
     (a copy ending later does not lower the peak) and the compute's waits for copies, ``lag`` layers
     behind (``layer_starts``: seconds from step start per layer; derived from the candidates if absent),
-    stay within the allowance.
+    stay within the allowance, together with the backward pass's waits for the reloads
+    (:func:`_backward_stall`; ``h2d_bytes_per_s`` defaults to the D2H rate).
     """
     assert d2h_bytes_per_s > 0 and forward_s >= 0
     allowance = max_overhead * step_s
@@ -152,6 +183,14 @@ def choose(
         for c in candidates:
             layer_starts[c.layer] = min(layer_starts.get(c.layer, c.produced_s), c.produced_s)
     order = sorted(candidates, key=lambda c: (c.layer, c.produced_s, -c.nbytes))
+    h2d = h2d_bytes_per_s or d2h_bytes_per_s
+    layers = sorted(layer_starts)
+    backward_s = max(step_s - forward_s, 0.0)
+
+    def waits(items: list[Candidate]) -> float:
+        fwd = _stall(items, d2h_bytes_per_s, layer_starts, lag)
+        return fwd + _backward_stall(items, h2d, layers, backward_s)
+
     chosen: list[Candidate] = []
     reasons: list[str] = []
     late = stalled = 0
@@ -161,7 +200,7 @@ def choose(
             continue
         if _drain(trial, d2h_bytes_per_s) > deadline:
             late += 1
-        elif _stall(trial, d2h_bytes_per_s, layer_starts, lag) > allowance:
+        elif waits(trial) > allowance + 1e-6:  # a microsecond: below what the measurements resolve
             stalled += 1
         else:
             chosen.append(c)
@@ -173,7 +212,7 @@ def choose(
     if stalled:
         reasons.append(
             f"{stalled} of {len(order)} candidates left on the device: the compute would wait more than the "
-            f"allowed overhead for copies {lag} layers behind"
+            f"allowed overhead for copies {lag} layers behind, or the backward pass for their reloads"
         )
     if not late and not stalled:
         reasons.append("every candidate's copy hides under the forward pass")
@@ -210,7 +249,7 @@ def choose(
                 "nothing more is offloaded"
             )
     finish = _drain(chosen, d2h_bytes_per_s) if chosen else 0.0
-    stall = _stall(chosen, d2h_bytes_per_s, layer_starts, lag) if chosen else 0.0
+    stall = waits(chosen) if chosen else 0.0
     return OffloadPlan(
         budget=str(budget),
         chosen=tuple(chosen),

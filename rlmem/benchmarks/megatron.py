@@ -313,8 +313,11 @@ def _act_row(
             st = handle.stats()
             row["offloaded_bytes"] = st.offloaded_bytes
             row["by_name"] = dict(st.by_name)
+            row["held_elsewhere_bytes"] = st.held_elsewhere_bytes
+            row["copying_at_backward_bytes"] = st.copying_at_backward_bytes
             if getattr(handle, "plan", None) is not None:
                 row["plan"] = handle.plan.selection()
+                row["plan_report"] = str(handle.plan)
         out_grads = None
         if grads is None and who == "none":
             out_grads = [p.grad.detach().cpu() for p in model.parameters()]
@@ -336,11 +339,15 @@ def _act_row(
     return row, out_grads
 
 
-def measure_activations(device: torch.device, bs: int, seq: int, steps: int, link: dict[str, float]) -> dict:
+def measure_activations(
+    device: torch.device, bs: int, seq: int, steps: int, link: dict[str, float], only: list[str]
+) -> dict:
     te = importlib.util.find_spec("transformer_engine") is not None
     who = ["none", *_RECOMPUTE, "save_on_cpu"]
     who += [f"rlmem:{n}" for n in DENSE_NAMES if n != "attn_proj"]
     who += ["rlmem:core_attn+attn_proj+mlp_norm", "rlmem:all", "rlmem:auto"]
+    if only:
+        who = ["none", *[w for w in who if w in only and w != "none"]]
     rows: dict[str, Any] = {}
     grads = None
     for w in who:
@@ -348,7 +355,15 @@ def measure_activations(device: torch.device, bs: int, seq: int, steps: int, lin
         grads = g if g is not None else grads
         rows[w] = r
         msg = r.get("error") or f"{r['step_s'] * 1e3:.1f} ms, peak {r['peak_bytes'] / _GiB:.2f} GiB"
+        if "held_elsewhere_bytes" in r:
+            msg += (
+                f", offloaded {r['offloaded_bytes'] / _GiB:.2f} GiB (held elsewhere "
+                f"{r['held_elsewhere_bytes'] / _GiB:.2f}, copying at backward "
+                f"{r['copying_at_backward_bytes'] / _GiB:.2f})"
+            )
         print(f"activations {bs}x{seq} {w}: {msg}", flush=True)
+        if "plan_report" in r:
+            print(r["plan_report"], flush=True)
     none = rows["none"]
     t_fwd, t_bwd = none["forward_s"], none["step_s"] - none["forward_s"]
     for r in rows.values():
@@ -378,8 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="switch,bit_identical,activations")
     p.add_argument("--cycles", type=int, default=3, help="steady switch cycles (after the first)")
     p.add_argument("--switch-seq", type=int, default=1024)
-    p.add_argument("--act-point", default="2x2048", help="bs x seq of the activation rows")
+    p.add_argument("--act-point", default="2x4096", help="bs x seq of the activation rows")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--only", default="", help="activation rows to run besides none (comma-separated)")
     args = run_.parse(argv)
     if not run_.needs_cuda():
         return 2
@@ -398,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         res["bit_identical"] = measure_bit_identical(device, 4, 512)
     if "activations" in parts:
         bs, seq = (int(x) for x in args.act_point.split("x"))
-        res["activations"] = measure_activations(device, bs, seq, args.steps, link)
+        only = [x for x in args.only.split(",") if x]
+        res["activations"] = measure_activations(device, bs, seq, args.steps, link, only)
     summary: dict[str, Any] = {}
     sw, bi, act = res.get("switch"), res.get("bit_identical"), res.get("activations")
     if sw:
