@@ -161,8 +161,7 @@ class PhaseManager:
 
     def _reserve(self) -> None:
         assert self.state is not None
-        cats = [c for c, p in self.config.policies().items() if p == "offload"]
-        self.state.reserve_backups(cats, blocking=False)
+        self.state.reserve_backups(self.state.backup_categories(self.config.policies()), blocking=False)
 
     def add_engine(self, engine: Any) -> None:
         """Register a rollout engine: it sleeps on entering train and wakes on entering rollout.

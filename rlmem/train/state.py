@@ -874,6 +874,15 @@ class TrainState:
             self._drain(CATEGORIES if blocking else ("params", "buffers", "grads"), host=False)
         self._last.update(reload_s=time.perf_counter() - t0 if blocking else None, reload_bytes=nbytes)
 
+    def backup_categories(self, policies: dict[str, str]) -> list[str]:
+        """The categories whose offload under ``policies`` needs a pinned backup: those offloaded, and
+        discarded Megatron gradient buffers (their zeroed stand-in)."""
+        return [
+            c
+            for c, p in policies.items()
+            if p == "offload" or (p == "discard" and any(id(r) in self._standin for r in self._regions[c]))
+        ]
+
     def reserve_backups(
         self, categories: Iterable[str] = ("params", "optimizer"), *, blocking: bool = False
     ) -> None:
