@@ -1,4 +1,5 @@
 """Glue to other frameworks, one module each, importing its framework lazily: ``hf`` (a batched sampler for
-Hugging Face causal LMs whose KV cache is a Region). May import :mod:`rlmem.memory`, :mod:`rlmem.plan` and
+Hugging Face causal LMs whose KV cache is a Region), ``megatron`` (what a Megatron-Core trainer holds, and
+how ``PhaseManager`` treats it). May import :mod:`rlmem.memory`, :mod:`rlmem.plan`, :mod:`rlmem.train` and
 the layers below them; the recipes and benchmarks import it.
 """
