@@ -69,6 +69,17 @@ def loss_of(model):
 
 def bits(t):
     return t.detach().reshape(-1).view(torch.uint8).cpu()
+
+def step(ddp, opt):
+    # one training step as a Megatron trainer takes it
+    ddp.zero_grad_buffer()
+    if hasattr(opt, "zero_grad"):
+        opt.zero_grad()
+    loss = loss_of(ddp)
+    loss.backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    return float(loss)
 """
 
 
@@ -165,14 +176,6 @@ def trainer(seed):
     ddp = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
     return ddp, MixedPrecision(ddp)
 
-def step(ddp, opt):
-    ddp.zero_grad_buffer()
-    loss = loss_of(ddp)
-    loss.backward()
-    ddp.finish_grad_sync()
-    opt.step()
-    return float(loss)
-
 ref, ref_opt = trainer(0)
 ref_losses = [step(ref, ref_opt) for _ in range(4)]
 
@@ -260,15 +263,6 @@ def trainer(seed):
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
                                                  use_distributed_optimizer=True), [ddp])
     return ddp, opt
-
-def step(ddp, opt):
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    loss = loss_of(ddp)
-    loss.backward()
-    ddp.finish_grad_sync()
-    opt.step()
-    return float(loss)
 
 ref, ref_opt = trainer(0)
 ref_losses = [step(ref, ref_opt) for _ in range(5)]
