@@ -255,13 +255,22 @@ def test_ddp_buffers_and_main_params_adopted_whole_cpu():
 
 _CUDA_TRAIN = """
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+KIND = "__KIND__"
+DIST = KIND == "distributed"
 
 def trainer(seed):
-    cfg, model = build(seed, layers=4, hidden=256)
-    ddp = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+    if KIND == "fp32":  # an fp32 model: FP32Optimizer
+        torch.manual_seed(seed); model_parallel_cuda_manual_seed(seed)
+        cfg = TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=4,
+                                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
+                         max_sequence_length=32).cuda()
+    else:
+        cfg, model = build(seed, layers=4, hidden=256)
+    ddp = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=DIST, grad_reduce_in_fp32=True,
                                                  overlap_grad_reduce=True), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
-                                                 use_distributed_optimizer=True), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=KIND != "fp32",
+                                                 use_distributed_optimizer=DIST), [ddp])
     return ddp, opt
 
 ref, ref_opt = trainer(0)
@@ -295,9 +304,17 @@ print(json.dumps({
 
 
 @pytest.mark.cuda
-def test_megatron_ddp_distributed_optimizer_bit_identical_cuda():
-    out = _run(_CUDA_TRAIN, "cuda")
-    assert "DistributedOptimizer" in out["kinds"]
+@pytest.mark.parametrize(
+    "kind,optimizer",
+    [
+        ("distributed", "DistributedOptimizer"),
+        ("float16", "Float16OptimizerWithFloat16Params"),
+        ("fp32", "FP32Optimizer"),
+    ],
+)
+def test_megatron_trainer_bit_identical_cuda(kind, optimizer):
+    out = _run(_CUDA_TRAIN.replace("__KIND__", kind), "cuda")
+    assert optimizer in out["kinds"]
     assert out["losses"] == out["ref"]
     assert out["same_params"] and out["mg_ptrs"] and out["zeros"]
     assert all(r == 0 for r in out["resident"])
@@ -324,3 +341,58 @@ def test_example_runs_cuda():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("step ")]
     assert len(lines) == 2 and "rollout freed" in lines[0]
+
+
+_CHUNKS = """
+class MixedPrecision:
+    def __init__(self, chunks):
+        self.model_params = [p for c in chunks for p in c.parameters()]
+        self.main = [p.detach().clone().float() for p in self.model_params]
+        self.optimizer = torch.optim.AdamW(self.main, lr=1e-2)
+    def step(self):
+        for p, m in zip(self.model_params, self.main):
+            m.grad = p.main_grad.float().clone()
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.model_params, self.main):
+                p.copy_(m)
+
+def chunks(seed):
+    out = []
+    for k in range(2):
+        cfg, model = build(seed + k)
+        out.append(DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model))
+    return out, MixedPrecision(out)
+
+def steps(cs, opt, n, st=None):
+    losses = []
+    for _ in range(n):
+        for c in cs:
+            c.zero_grad_buffer()
+        loss = sum(loss_of(c) for c in cs)
+        loss.backward()
+        for c in cs:
+            c.finish_grad_sync()
+        opt.step()
+        losses.append(float(loss))
+        if st is not None:
+            st.offload(blocking=True)
+            st.reload(blocking=True)
+    return losses
+
+ref, ref_opt = chunks(0)
+cs, opt = chunks(0)
+st = rlmem.TrainState(cs, opt)
+buffers = [c.buffers[0] for c in cs]
+regions = {c: len(st.regions(c)) for c in ("params", "grads")}
+out = {"ref": steps(ref, ref_opt, 3), "got": steps(cs, opt, 3, st), "regions": regions,
+       "same": all(torch.equal(bits(a), bits(b)) for a, b in zip(ref_opt.main, opt.main))}
+print(json.dumps(out))
+"""
+
+
+def test_list_of_model_chunks_cpu():
+    out = _run(_CHUNKS)
+    assert out["got"] == out["ref"] and out["same"]
+    # one Region per category and device, holding both chunks' buffers
+    assert out["regions"] == {"params": 1, "grads": 1}

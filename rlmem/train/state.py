@@ -670,11 +670,14 @@ class TrainState:
             self._adopt_sharded_grads()
         if policies["optimizer"] == "discard":
             self._forget_optimizer_states()
-        if policies["grads"] != "keep":
-            # Megatron's optimizers give each main parameter a gradient that is a view of the grad buffer,
-            # remade at every step; drop them as optimizer.zero_grad() does, rather than chase them.
-            for t in self._mc.main_params:
-                t.grad = None
+        if policies["grads"] != "keep" and self._mc.grad_storages:
+            # Megatron's optimizers set .grad of the main parameters (or, with FP32Optimizer, of the model's)
+            # to views of the grad buffer, remade at every step: drop them as optimizer.zero_grad() does,
+            # rather than chase them.
+            buffers = {_mc._key(flat) for c, _, flat, _ in self._repointed if c == "grads"}
+            for t in (*self._mc.main_params, *self._params):
+                if t.grad is not None and _mc._key(t.grad) in buffers:
+                    t.grad = None
         moving = [c for c, p in policies.items() if p != "keep" and not self.paused(c)]
         self._refresh_whole(moving, strict=True)
         todo = [
