@@ -30,12 +30,12 @@ def check_int(field: str, value: Any, *, minimum: int = 1) -> int:
     return value
 
 
-def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> str:
-    """``value`` if it is one of ``choices``.
+def check_choice(field: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    """``value`` if it is one of ``choices`` (and of the same type: ``True`` is not ``1``).
 
     Raises:
         ValueError: ``"<field> must be one of a, b, c; got <value>"``.
     """
-    if value not in choices:
+    if value not in choices or not any(type(value) is type(c) for c in choices):
         raise ValueError(f"{field} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value

@@ -164,3 +164,29 @@ def test_the_cache_is_never_held_twice():
     s = HFSampler(model, max_len=512, batch_size=256, pad_token_id=0, eos_token_id=2)
     assert s.kv_bytes >= 256 * 512 * kv_bytes_per_token(model.config, torch.float32)
     assert torch.cuda.max_memory_allocated() - base < s.kv_bytes / 20
+
+
+def test_sampler_follows_the_engine_protocol(device):
+    model = tiny(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True, params="keep"))
+    s = HFSampler(model, max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
+    pm.add_engine(s)
+    s.sleep(level=2)
+    seen = []
+    with pm.rollout(sync_weights=lambda: seen.append((s.region.paused, pm.state.paused("optimizer")))):
+        assert not s.region.paused
+        assert s.generate(PROMPTS[:2], max_new_tokens=4, temperature=0)
+    assert seen == [(True, False)]  # synced before the train state left and before the cache woke
+    with pm.train():
+        assert s.region.paused
+    with pytest.raises(ValueError, match="unknown tag"):
+        s.wake(tags=["gpu"])
+    with pytest.raises(ValueError, match="tags must be None or a non-empty list"):
+        s.wake(tags="kv_cache")
+    with pytest.raises(ValueError, match="level must be one of 1, 2"):
+        s.sleep(level=0)
+    s.wake(tags=["weights"])  # the caller's model: nothing to take
+    assert s.region.paused
+    s.wake(tags=["kv_cache"])
+    assert not s.region.paused

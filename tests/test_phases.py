@@ -115,3 +115,100 @@ def test_engines_need_sleep_and_wake():
     with pytest.raises(ValueError, match="sleep\\(\\) and wake\\(\\)"):
         pm.add_engine(object())
     assert isinstance(KVEngine("cpu"), rlmem.Engine)
+
+
+class TaggedEngine:
+    """An engine with the full protocol: weights and KV cache in Regions of their own, every call recorded
+    with what was resident then (the train state's bytes and the engine's)."""
+
+    def __init__(self, pm: PhaseManager, nbytes: int = 1 << 20) -> None:
+        self.pm = pm
+        self.weights = rlmem.Region(nbytes, "cpu", name="weights")
+        self.kv = rlmem.Region(2 * nbytes, "cpu", name="kv")
+        self.weights.empty(nbytes // 4, torch.float32).fill_(1)
+        self.events: list[tuple[str, int, int]] = []
+
+    def _record(self, what: str) -> None:
+        cats = self.pm.state.stats().categories.values()
+        engine = self.weights.resident_bytes + self.kv.resident_bytes
+        self.events.append((what, sum(c.resident_bytes for c in cats), engine))
+
+    def sleep(self, level: int = 1) -> None:
+        self.weights.pause(keep=level == 1)
+        self.kv.pause(keep=False)
+        self._record(f"sleep:{level}")
+
+    def wake(self, tags=None) -> None:
+        for tag in tags or ("weights", "kv_cache"):
+            (self.weights if tag == "weights" else self.kv).resume()
+            self._record(f"wake:{tag}")
+
+
+def _trained(config: OffloadConfig):
+    model = make(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 61, (2, 5))).float().sum().backward()
+    opt.step()
+    return model, opt, PhaseManager(model, opt, config)
+
+
+def test_switch_order_keeps_the_peak_below_state_plus_engine():
+    _, _, pm = _trained(OffloadConfig(offload_during_rollout=True, engine_sleep_level=2))
+    engine = TaggedEngine(pm)
+    pm.add_engine(engine)
+    engine.sleep(level=2)  # as after construction: asleep until the first rollout
+    engine.events.clear()
+    state = sum(c.bytes for c in pm.state.stats().categories.values())
+    whole = engine.weights.nbytes + engine.kv.nbytes
+    synced = []
+    for _ in range(2):
+        with pm.rollout(sync_weights=lambda: engine._record("sync") or synced.append(1)):
+            pass
+        with pm.train():
+            pm.state.synchronize()
+    kinds = [e[0] for e in engine.events]
+    assert kinds == ["wake:weights", "sync", "wake:kv_cache", "sleep:2"] * 2
+    by_kind = {k: (s, e) for k, s, e in engine.events}
+    assert by_kind["sync"][0] >= state  # the policy is still on the device while it is synced
+    assert by_kind["wake:kv_cache"][0] == 0  # the cache wakes once the train state is gone
+    assert max(s + e for _, s, e in engine.events) < state + whole
+    assert len(synced) == 2
+
+
+def test_bare_engine_wakes_after_the_offload_and_syncs_from_the_backup():
+    model, _, pm = _trained(OffloadConfig(offload_during_rollout=True))
+    engine = KVEngine("cpu")
+    pm.add_engine(engine)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+
+    def sync() -> None:
+        same = all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        seen.append((engine.calls[-1], pm.state.paused("params"), same))
+
+    with pm.rollout(sync_weights=sync):
+        pass
+    assert seen == [("wake", True, True)]  # woken whole, after the offload; the weights read from the backup
+    with pm.train():
+        pass
+    assert engine.calls == ["wake", "sleep"]
+    _, _, pm2 = _trained(OffloadConfig(offload_during_rollout=True, params="discard"))
+    pm2.add_engine(KVEngine("cpu"))
+    with (
+        pytest.raises(ValueError, match="params='discard' leaves nothing to sync from"),
+        pm2.rollout(sync_weights=lambda: None),
+    ):
+        pass
+
+
+def test_engine_protocol_is_validated():
+    for bad in (0, 3, True, "1"):
+        with pytest.raises(ValueError, match=r"OffloadConfig\.engine_sleep_level must be one of 1, 2"):
+            OffloadConfig(engine_sleep_level=bad)
+    pm = PhaseManager(make(0))
+    with pytest.raises(ValueError, match="sync_weights must be callable"), pm.rollout(sync_weights=42):
+        pass
+    called = []
+    with pm.rollout(sync_weights=lambda: called.append(1)):  # offloading disabled: the sync still runs
+        pass
+    assert called == [1]

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._checks import check_choice
 from ..memory.region import Region
 from ..plan.shapes import kv_bytes_per_token as _kv_bytes
+from ..train._engines import check_tags
 
 __all__ = ["HFSampler", "kv_bytes_per_token"]
 
@@ -117,13 +119,26 @@ class HFSampler:
     def kv_bytes(self) -> int:
         return self.region.nbytes
 
-    def sleep(self) -> None:
-        """Give the KV cache's memory back (its contents are not needed between rollouts)."""
+    def sleep(self, level: int = 1) -> None:
+        """Give the KV cache's memory back (its contents are not needed between rollouts). The sampler runs
+        on the caller's model, so it holds no weights of its own: both levels release the same memory.
+
+        Raises:
+            ValueError: ``level`` is not 1 or 2.
+        """
+        check_choice("level", level, (1, 2))
         self.region.pause(keep=False)
 
-    def wake(self) -> None:
-        """Take the KV cache's memory again, at the same addresses."""
-        self.region.resume()
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Take the KV cache's memory again, at the same addresses (tag ``"kv_cache"``; ``"weights"`` is
+        the caller's model, always awake; None: all).
+
+        Raises:
+            ValueError: an unknown tag.
+        """
+        tags = check_tags(tags)
+        if tags is None or "kv_cache" in tags:
+            self.region.resume()
 
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None

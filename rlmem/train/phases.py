@@ -8,7 +8,7 @@ what is needed. With ``offload_during_rollout=False`` (the default) both are no-
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -19,18 +19,28 @@ from torch import nn
 from .. import comm
 from .._checks import check_choice, check_flag
 from .._results import Result
+from . import _engines
+from ._engines import TAGS
 from .state import TrainState, TrainStateStats, check_policy
 
-__all__ = ["Engine", "OffloadConfig", "PhaseManager", "PhaseStats", "SwitchStats"]
+__all__ = ["TAGS", "Engine", "OffloadConfig", "PhaseManager", "PhaseStats", "SwitchStats"]
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """Anything with ``sleep()`` (give its device memory back) and ``wake()`` (take it again)."""
+    """A rollout engine sharing the GPU: ``sleep(level)`` gives its device memory back (level 1: weights kept
+    in host memory, KV cache discarded; level 2: both discarded, the weights synced again on waking) and
+    ``wake(tags)`` takes it again, by tag (:data:`TAGS`: ``"weights"`` then ``"kv_cache"``; None: all).
 
-    def sleep(self) -> Any: ...
+    An engine with bare ``sleep()`` / ``wake()`` works too: it is woken whole, after the train state is
+    offloaded. vLLM maps onto the protocol as ``sleep(level) -> llm.sleep(level=level)`` and ``wake(tags) ->
+    llm.wake_up(tags=tags)``; SGLang as ``sleep(level) -> engine.release_memory_occupation()`` and
+    ``wake(tags) -> engine.resume_memory_occupation(tags=tags)``.
+    """
 
-    def wake(self) -> Any: ...
+    def sleep(self, level: int = 1) -> Any: ...
+
+    def wake(self, tags: Sequence[str] | None = None) -> Any: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +63,9 @@ class OffloadConfig:
         comms: ``"keep"`` (default) or ``"suspend"``: the train phase's NCCL communicators give their GPU
             memory back during rollout (:func:`rlmem.comm.suspend`; every rank switches phases together).
             The groups are ``PhaseManager(comm_groups=...)``, by default every NCCL group of the process.
+        engine_sleep_level: the ``level`` engines are put to sleep with when the train phase begins: 1
+            (default; weights kept in host memory) or 2 (discarded: ``rollout(sync_weights=...)`` refills
+            them).
 
     Raises:
         ValueError: a field has a value outside those listed; the message names the field.
@@ -66,9 +79,11 @@ class OffloadConfig:
     empty_cache: bool = True
     reserve_backups: bool = True
     comms: str = "keep"
+    engine_sleep_level: int = 1
 
     def __post_init__(self) -> None:
         check_choice("OffloadConfig.comms", self.comms, ("keep", "suspend"))
+        check_choice("OffloadConfig.engine_sleep_level", self.engine_sleep_level, (1, 2))
         for f in ("offload_during_rollout", "empty_cache", "reserve_backups"):
             check_flag(f"OffloadConfig.{f}", getattr(self, f))
         for f in ("params", "grads", "optimizer", "buffers"):
@@ -164,7 +179,8 @@ class PhaseManager:
         self.state.reserve_backups(self.state.backup_categories(self.config.policies()), blocking=False)
 
     def add_engine(self, engine: Any) -> None:
-        """Register a rollout engine: it sleeps on entering train and wakes on entering rollout.
+        """Register a rollout engine: it sleeps on entering train and wakes on entering rollout (see
+        :meth:`rollout` for the order).
 
         Raises:
             ValueError: ``engine`` has no callable ``sleep()`` and ``wake()``.
@@ -174,22 +190,59 @@ class PhaseManager:
         self.engines.append(engine)
 
     @contextmanager
-    def rollout(self) -> Iterator[PhaseManager]:
-        """Enter the rollout phase: offload the train state per config, then wake the engines."""
+    def rollout(self, sync_weights: Callable[[], Any] | None = None) -> Iterator[PhaseManager]:
+        """Enter the rollout phase, in the order that keeps the switch's peak lowest: the engines' weights
+        wake (``wake(tags=["weights"])``), ``sync_weights()`` copies the policy into them while its
+        parameters are still on the device, the train state is offloaded per config, and only then do the
+        KV caches wake (``wake(tags=["kv_cache"])``). The peak never holds the train state and a whole
+        engine at once; the train phase undoes it in reverse (engines asleep before the state comes back).
+
+        Engines with bare ``sleep()`` / ``wake()`` are woken whole after the offload, and then
+        ``sync_weights`` runs after them, reading the offloaded parameters from their pinned backup.
+
+        Args:
+            sync_weights: called once per rollout with every engine's weights awake (also when offloading
+                is disabled).
+
+        Raises:
+            ValueError: ``sync_weights`` with an engine without tags while ``params="discard"`` (nothing
+                would be left to sync from).
+        """
+        if sync_weights is not None and not callable(sync_weights):
+            raise ValueError(f"sync_weights must be callable or None, got {type(sync_weights).__name__}")
         if self.enabled and self.phase != "rollout":
             t0 = time.perf_counter()
             assert self.state is not None
+            bare = [e for e in self.engines if not _engines.takes(e.wake, "tags")]
+            if sync_weights is not None and bare and self.config.params == "discard":
+                raise ValueError(
+                    "rollout(sync_weights=...): engine(s) "
+                    + ", ".join(type(e).__name__ for e in bare)
+                    + " have no wake(tags) to wake their weights before the train state goes, and "
+                    "params='discard' leaves nothing to sync from; give them wake(tags) or use "
+                    "params='offload'"
+                )
+            for e in self.engines:
+                _engines.wake(e, ["weights"])
+            if sync_weights is not None and not bare:
+                sync_weights()
             self.state.offload(**self.config.policies(), blocking=True)
             self._reloading = False
             if self.config.comms == "suspend":
                 self._switches["comm_suspend"] = comm.suspend(self.comm_groups)
             if self.config.empty_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
-            for e in self.engines:
+            for e in bare:
                 e.wake()
+            if sync_weights is not None and bare:
+                sync_weights()
+            for e in self.engines:
+                _engines.wake(e, ["kv_cache"])
             self._switches["rollout_s"] = time.perf_counter() - t0
             self._switches["count"] += 1
             self.phase = "rollout"
+        elif sync_weights is not None:
+            sync_weights()
         yield self
 
     def prefetch(self) -> None:
@@ -197,8 +250,8 @@ class PhaseManager:
         if not self.enabled or self._reloading or self.phase == "train":
             return
         t0 = time.perf_counter()
-        for e in self.engines:
-            e.sleep()
+        for e in reversed(self.engines):
+            _engines.sleep(e, self.config.engine_sleep_level)
         if self.config.comms == "suspend":
             self._switches["comm_resume"] = comm.resume(self.comm_groups)
         assert self.state is not None
