@@ -190,3 +190,47 @@ def test_sampler_follows_the_engine_protocol(device):
     assert s.region.paused
     s.wake(tags=["kv_cache"])
     assert not s.region.paused
+
+
+def test_cuda_graphs_config_is_checked():
+    with pytest.raises(ValueError, match="cuda_graphs must be one of 'auto', 'on', 'off'"):
+        HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, cuda_graphs="yes")
+    with pytest.raises(ValueError, match="cuda_graphs='on' needs a model on a CUDA device"):
+        HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, cuda_graphs="on")
+    s = HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
+    assert not s.cuda_graphs  # auto: off on the host
+
+
+@pytest.mark.cuda
+def test_cuda_graph_decode_is_eager_decode_and_survives_sleep_and_train():
+    model = tiny("cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True))
+    kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
+    eager = HFSampler(model, cuda_graphs="off", **kw)
+    graphs = HFSampler(model, cuda_graphs="on", **kw)
+    pm.add_engine(graphs)
+
+    def both(s):
+        return (
+            s.generate(PROMPTS, max_new_tokens=10, temperature=0),
+            s.generate(PROMPTS, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7),
+        )
+
+    want = both(eager)
+    assert both(graphs) == want  # 5 prompts: a batch of 4 and a partial batch of 1 (buckets 4 and 1)
+    assert graphs.captures == 2
+    for _ in range(3):  # the train phase between rollouts: the cache sleeps, the weights leave and come back
+        with pm.train():
+            pm.state.synchronize()
+        with pm.rollout():
+            pass
+        with pm.train():
+            pm.state.synchronize()
+        graphs.wake()
+        assert both(graphs) == want
+        graphs.sleep()
+    assert graphs.captures == 2  # nothing re-captured
+    graphs.wake()
+    pm.state.close()  # the weights move back to PyTorch's allocator: the graphs are stale and re-captured
+    assert both(graphs) == want and graphs.captures == 4

@@ -5,6 +5,13 @@ prefill then one token per step) over a ``transformers.StaticCache``. The cache'
 tensors are re-pointed into one Region, so ``sleep()`` gives the whole cache back to the device (a discarded
 pause: milliseconds) and ``wake()`` takes it again at the same addresses. Its size comes from a byte budget,
 like vLLM's ``gpu_memory_utilization``.
+
+Decode steps run from fixed buffers (token ids, positions, a prepared 4-D attention mask) into the static
+cache, so on a GPU each step is one CUDA graph replay (``cuda_graphs``): one graph per batch-size bucket
+(powers of two up to ``batch_size``), captured on first use. The cache's addresses never change, so the
+graphs survive ``sleep()`` / ``wake()`` and the train phase between rollouts without re-capture; they are
+captured again only if the model's parameters or buffers move (``captures`` counts every capture).
+Sampling runs after each replay on the device, with no host sync per token.
 """
 
 from __future__ import annotations
@@ -51,9 +58,12 @@ class HFSampler:
         compute_dtype: run the model under autocast to this dtype (the cache takes it too); None: the
             parameters' dtype.
         sync_every: tokens between the host checks that stop a batch once every row has ended.
+        cuda_graphs: ``"auto"`` (default: on for CUDA), ``"on"`` or ``"off"``: decode steps as CUDA graph
+            replays.
 
     Raises:
-        ValueError: a size is not positive, or the budget holds less than one sequence.
+        ValueError: a size is not positive, the budget holds less than one sequence, or ``cuda_graphs`` is
+            not one of the three (or ``"on"`` off a GPU).
     """
 
     def __init__(
@@ -67,16 +77,21 @@ class HFSampler:
         eos_token_id: int,
         compute_dtype: torch.dtype | None = None,
         sync_every: int = 8,
+        cuda_graphs: str = "auto",
         name: str = "kv-cache",
     ) -> None:
         from transformers import StaticCache
 
+        check_choice("cuda_graphs", cuda_graphs, ("auto", "on", "off"))
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive int, got {sync_every!r}")
         param = next(model.parameters())
         device = param.device
+        if cuda_graphs == "on" and device.type != "cuda":
+            raise ValueError(f"cuda_graphs='on' needs a model on a CUDA device; this one is on {device}")
+        self.cuda_graphs = cuda_graphs != "off" and device.type == "cuda"
         dtype = compute_dtype or param.dtype
         per_seq = kv_bytes_per_token(model.config, dtype) * max_len
         if batch_size is None:
@@ -114,6 +129,11 @@ class HFSampler:
                 layer.batch_size = batch_size
         self.cache.reset()
         self.tokens_generated = 0
+        self.captures = 0  # CUDA graphs captured so far (one per bucket, again only if the weights moved)
+        self._graphs: dict[int, _Decode] = {}
+        self._eager: dict[int, _Decode] = {}
+        self._pool: Any = None
+        self._fingerprint: tuple[int, ...] = ()
 
     @property
     def kv_bytes(self) -> int:
@@ -166,6 +186,63 @@ class HFSampler:
             if hook is not None:
                 hook.remove()
         return out.logits[:, -1]
+
+    def _buckets(self) -> list[int]:
+        sizes = [1 << k for k in range(self.batch_size.bit_length()) if 1 << k < self.batch_size]
+        return [*sizes, self.batch_size]
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self._buckets() if b >= n) if self.cuda_graphs else n
+
+    def _weights_fingerprint(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def _decoder(self, size: int) -> _Decode:
+        """The fixed decode buffers of ``size`` rows (and their captured graph, with CUDA graphs)."""
+        if not self.cuda_graphs:
+            d = self._eager.get(size)
+            if d is None:
+                d = self._eager[size] = _Decode(size, self.max_len, self.region.device)
+            return d
+        fp = self._weights_fingerprint()
+        if fp != self._fingerprint:  # the weights moved (adopted or reloaded elsewhere): graphs are stale
+            self._graphs.clear()
+            self._pool = None
+            self._fingerprint = fp
+        d = self._graphs.get(size)
+        if d is None:
+            d = self._graphs[size] = _Decode(size, self.max_len, self.region.device)
+        return d
+
+    def _decode(self, d: _Decode) -> torch.Tensor:
+        """Logits of one decode step from ``d``'s buffers (a graph replay once captured)."""
+        if not self.cuda_graphs:
+            return self._forward(d.ids, d.mask, d.pos)
+        if d.graph is None:
+            self._capture(d)
+        assert d.graph is not None and d.out is not None
+        d.graph.replay()
+        return d.out
+
+    def _capture(self, d: _Decode) -> None:
+        # Warm-up runs write this step's keys and values and advance the cache's length counters: keep the
+        # counters and put them back (the replay rewrites the same slot).
+        lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        side = torch.cuda.Stream(self.region.device)
+        side.wait_stream(torch.cuda.current_stream(self.region.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(d.ids, d.mask, d.pos)
+        torch.cuda.current_stream(self.region.device).wait_stream(side)
+        for layer, n in zip(self.cache.layers, lengths, strict=True):
+            layer.cumulative_length.copy_(n)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            d.out = self._forward(d.ids, d.mask, d.pos)
+        d.graph = graph
+        self.captures += 1
 
     def _autocast(self, device: torch.device) -> Any:
         if self.compute_dtype is None:
@@ -231,6 +308,7 @@ class HFSampler:
         gen: torch.Generator,
     ) -> list[list[int]]:
         n, device = len(prompts), self.region.device
+        rows = self._bucket(n)
         width = max(len(p) for p in prompts)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((n, width + max_new_tokens), dtype=torch.long)
@@ -240,29 +318,30 @@ class HFSampler:
         ids, mask = ids.to(device), mask.to(device)
         pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
         full = [(layer.keys, layer.values) for layer in self.cache.layers]
-        if n < self.batch_size:  # a last, partial batch uses the first n rows of the cache: no wasted rows
-            for layer, (k, v) in zip(self.cache.layers, full, strict=True):
-                layer.keys, layer.values = k[:n], v[:n]
+        if self.cuda_graphs:
+            self._decoder(rows)  # drops stale graphs before the cache is touched
         try:
+            # A last, partial batch uses the first rows of the cache: n to prefill, its bucket to decode.
+            self._use_rows(full, n)
             self.cache.reset()
             logits = self._forward(ids, mask[:, :width], pos)
             done = torch.zeros(n, dtype=torch.bool, device=device)
             steps = []
-            pos = pos[:, -1:]
+            self._use_rows(full, rows)
+            d = self._decoder(rows)
+            d.start(mask[:, :width], pos[:, -1], width)
             for t in range(max_new_tokens):
-                nxt = _sample(logits, temperature, top_p, gen)
+                nxt = _sample(logits[:n], temperature, top_p, gen)
                 nxt = torch.where(done, self.pad_token_id, nxt)
                 steps.append(nxt)
                 done |= nxt == self.eos_token_id
                 # One host sync every few tokens to stop early, instead of one per token.
                 if t + 1 == max_new_tokens or ((t + 1) % self.sync_every == 0 and bool(done.all())):
                     break
-                mask[:, width + t] = 1
-                pos = pos + 1
-                logits = self._forward(nxt[:, None], mask[:, : width + t + 1], pos)
+                d.advance(nxt, width + t)
+                logits = self._decode(d)
         finally:
-            for layer, (k, v) in zip(self.cache.layers, full, strict=True):
-                layer.keys, layer.values = k, v
+            self._use_rows(full, None)
         rows = []
         for row in torch.stack(steps, 1).tolist():
             if self.eos_token_id in row:
@@ -270,6 +349,40 @@ class HFSampler:
             rows.append(row)
             self.tokens_generated += len(row)
         return rows
+
+    def _use_rows(self, full: list[tuple[torch.Tensor, torch.Tensor]], n: int | None) -> None:
+        for layer, (k, v) in zip(self.cache.layers, full, strict=True):
+            layer.keys, layer.values = (k, v) if n is None or n == self.batch_size else (k[:n], v[:n])
+
+
+class _Decode:
+    """Fixed inputs of one decode step for ``size`` rows: token ids, positions and the 4-D attention mask
+    (True: attend) over the whole cache, updated in place; with a CUDA graph, its output logits too."""
+
+    def __init__(self, size: int, max_len: int, device: torch.device) -> None:
+        self.size = size
+        self.ids = torch.zeros((size, 1), dtype=torch.long, device=device)
+        self.pos = torch.zeros((size, 1), dtype=torch.long, device=device)
+        self.mask = torch.zeros((size, 1, 1, max_len), dtype=torch.bool, device=device)
+        self.graph: Any = None
+        self.out: torch.Tensor | None = None
+
+    def start(self, prompt_mask: torch.Tensor, last_pos: torch.Tensor, width: int) -> None:
+        """Set up for a batch whose prompts fill ``width`` columns (rows past the batch attend to the first
+        position only: their outputs are not used, and a row with nothing to attend to would be NaN)."""
+        n = prompt_mask.shape[0]
+        self.ids.zero_()
+        self.pos.zero_()
+        self.pos[:n, 0] = last_pos
+        self.mask.zero_()
+        self.mask[:n, 0, 0, :width] = prompt_mask.bool()
+        self.mask[n:, 0, 0, 0] = True
+
+    def advance(self, ids: torch.Tensor, column: int) -> None:
+        """The next step's inputs: the sampled ids at the next position, attending to the new column."""
+        self.ids[: ids.shape[0], 0] = ids
+        self.pos.add_(1)
+        self.mask[:, 0, 0, column] = True
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
