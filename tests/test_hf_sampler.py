@@ -234,3 +234,43 @@ def test_cuda_graph_decode_is_eager_decode_and_survives_sleep_and_train():
     graphs.wake()
     pm.state.close()  # the weights move back to PyTorch's allocator: the graphs are stale and re-captured
     assert both(graphs) == want and graphs.captures == 4
+
+
+def test_rollout_copy_in_its_own_dtype_and_region(device):
+    model = tiny(device)
+    kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
+    s = HFSampler(model, rollout_dtype=torch.bfloat16, **kw)
+    # the model's parameters themselves in bf16 (buffers such as the rotary table stay fp32, as the copy
+    # leaves them), run as the copy is: under bf16 autocast
+    bf16 = tiny(device)
+    for p in bf16.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    ref = HFSampler(bf16, compute_dtype=torch.bfloat16, **kw)
+    want = ref.generate(PROMPTS, max_new_tokens=8, temperature=0)
+    assert s.generate(PROMPTS, max_new_tokens=8, temperature=0) == want
+    assert all(w.dtype == torch.bfloat16 for w in s.weights.values())
+    assert s.weights_region.resident_bytes > 0
+    s.sleep(level=1)  # copy kept in host memory
+    assert s.weights_region.resident_bytes == 0 and s.region.resident_bytes == 0
+    s.wake(tags=["weights"])
+    s.wake(tags=["kv_cache"])
+    assert s.generate(PROMPTS, max_new_tokens=8, temperature=0) == want
+    s.sleep(level=2)  # copy discarded: sampling refuses until synced again
+    s.wake()
+    with pytest.raises(RuntimeError, match="discarded"):
+        s.generate(PROMPTS, max_new_tokens=8)
+    with torch.no_grad():  # a training step moved the weights: the copy follows at the next sync
+        for p in model.parameters():
+            p.mul_(-1)
+    s.sync_weights()
+    with torch.no_grad():
+        for p in ref.model.parameters():
+            p.mul_(-1)
+    assert s.generate(PROMPTS, max_new_tokens=8, temperature=0) == ref.generate(
+        PROMPTS, max_new_tokens=8, temperature=0
+    )
+    s.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        s.sync_weights()
+    with pytest.raises(ValueError, match=r"rollout_dtype must be a floating torch\.dtype"):
+        HFSampler(model, rollout_dtype=torch.int8, **kw)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .._checks import check_choice
-from ..memory.region import Region
+from ..memory.region import Region, _round_up
 from ..plan.shapes import kv_bytes_per_token as _kv_bytes
 from ..train._engines import check_tags
 
@@ -60,6 +60,13 @@ class HFSampler:
         sync_every: tokens between the host checks that stop a batch once every row has ended.
         cuda_graphs: ``"auto"`` (default: on for CUDA), ``"on"`` or ``"off"``: decode steps as CUDA graph
             replays.
+        rollout_dtype: sample from a copy of the model's parameters in this dtype (e.g. ``torch.bfloat16``
+            while training keeps fp32 weights), held in a Region of its own: ``sync_weights()`` refreshes it
+            from the model (after each optimizer step), ``sleep(1)`` keeps it in pinned host memory and
+            ``sleep(2)`` discards it (``sync_weights()`` again before sampling); ``wake(["weights"])`` takes
+            it back. It costs ``numel x itemsize`` of device memory during rollout and one copy per sync;
+            each decode step then reads the weights in that dtype, with no cast. None: the model itself.
+            ``compute_dtype`` defaults to it.
 
     Raises:
         ValueError: a size is not positive, the budget holds less than one sequence, or ``cuda_graphs`` is
@@ -78,6 +85,7 @@ class HFSampler:
         compute_dtype: torch.dtype | None = None,
         sync_every: int = 8,
         cuda_graphs: str = "auto",
+        rollout_dtype: torch.dtype | None = None,
         name: str = "kv-cache",
     ) -> None:
         from transformers import StaticCache
@@ -92,6 +100,11 @@ class HFSampler:
         if cuda_graphs == "on" and device.type != "cuda":
             raise ValueError(f"cuda_graphs='on' needs a model on a CUDA device; this one is on {device}")
         self.cuda_graphs = cuda_graphs != "off" and device.type == "cuda"
+        if rollout_dtype is not None and not (
+            isinstance(rollout_dtype, torch.dtype) and rollout_dtype.is_floating_point
+        ):
+            raise ValueError(f"rollout_dtype must be a floating torch.dtype or None, got {rollout_dtype!r}")
+        compute_dtype = compute_dtype or rollout_dtype
         dtype = compute_dtype or param.dtype
         per_seq = kv_bytes_per_token(model.config, dtype) * max_len
         if batch_size is None:
@@ -110,6 +123,16 @@ class HFSampler:
         self.eos_token_id = eos_token_id
         self.compute_dtype = compute_dtype
         self.sync_every = sync_every
+        self.rollout_dtype = rollout_dtype
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.weights_region: Region | None = None
+        self._weights_stale = False
+        if rollout_dtype is not None:
+            named = dict(model.named_parameters())  # tied parameters once: functional_call ties them back
+            size = sum(_round_up(p.numel() * rollout_dtype.itemsize, 256) for p in named.values())
+            self.weights_region = Region(size, device, name=f"{name}/weights")
+            self.weights = {n: self.weights_region.empty(p.shape, rollout_dtype) for n, p in named.items()}
+            self.sync_weights()
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         # One forward step of a single sequence initialises every layer (shapes, dtype, device: through the
         # public path, which holds across transformers releases); each layer's tensors are then replaced by
@@ -139,24 +162,46 @@ class HFSampler:
     def kv_bytes(self) -> int:
         return self.region.nbytes
 
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        """Copy the model's parameters into the rollout copy (``rollout_dtype``); nothing without one.
+
+        Raises:
+            RuntimeError: the copy is asleep (``wake(["weights"])`` first).
+        """
+        if self.weights is None:
+            return
+        assert self.weights_region is not None
+        if self.weights_region.paused:
+            raise RuntimeError("HFSampler's rollout weights are asleep: wake(['weights']) before syncing")
+        for n, p in self.model.named_parameters():
+            self.weights[n].copy_(p)
+        self._weights_stale = False
+
     def sleep(self, level: int = 1) -> None:
-        """Give the KV cache's memory back (its contents are not needed between rollouts). The sampler runs
-        on the caller's model, so it holds no weights of its own: both levels release the same memory.
+        """Give the KV cache's memory back (its contents are not needed between rollouts), and the rollout
+        copy's: kept in pinned host memory at level 1, discarded at level 2. Without a rollout copy the
+        sampler runs on the caller's model and both levels release the same memory.
 
         Raises:
             ValueError: ``level`` is not 1 or 2.
         """
         check_choice("level", level, (1, 2))
         self.region.pause(keep=False)
+        if self.weights_region is not None:
+            self.weights_region.pause(keep=level == 1)
+            self._weights_stale = self._weights_stale or level == 2
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
-        """Take the KV cache's memory again, at the same addresses (tag ``"kv_cache"``; ``"weights"`` is
-        the caller's model, always awake; None: all).
+        """Take memory again, at the same addresses: ``"weights"`` (the rollout copy; the caller's model
+        otherwise, always awake), ``"kv_cache"``; None: both.
 
         Raises:
             ValueError: an unknown tag.
         """
         tags = check_tags(tags)
+        if self.weights_region is not None and (tags is None or "weights" in tags):
+            self.weights_region.resume()
         if tags is None or "kv_cache" in tags:
             self.region.resume()
 
@@ -172,16 +217,20 @@ class HFSampler:
             # are gathered only within the root module's forward.
             dtype = self.compute_dtype
             hook = self.model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.to(dtype))
+        kwargs = dict(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         try:
             with self._autocast(ids.device):
-                out = self.model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=pos,
-                    past_key_values=self.cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+                if self.weights is None:
+                    out = self.model(**kwargs)
+                else:  # the same modules over the rollout copy
+                    out = torch.func.functional_call(self.model, self.weights, (), kwargs, strict=False)
         finally:
             if hook is not None:
                 hook.remove()
@@ -195,7 +244,8 @@ class HFSampler:
         return next(b for b in self._buckets() if b >= n) if self.cuda_graphs else n
 
     def _weights_fingerprint(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+        params = self.model.parameters() if self.weights is None else self.weights.values()
+        return tuple(t.data_ptr() for t in (*params, *self.model.buffers()))
 
     def _decoder(self, size: int) -> _Decode:
         """The fixed decode buffers of ``size`` rows (and their captured graph, with CUDA graphs)."""
@@ -272,8 +322,12 @@ class HFSampler:
             RuntimeError: the engine is asleep.
             ValueError: an argument is out of range, or a prompt plus ``max_new_tokens`` exceeds ``max_len``.
         """
-        if self.region.paused:
+        if self.region.paused or (self.weights_region is not None and self.weights_region.paused):
             raise RuntimeError("HFSampler is asleep: call wake() before generate()")
+        if self._weights_stale:
+            raise RuntimeError(
+                "HFSampler's rollout weights were discarded (sleep(level=2)): sync_weights() after waking"
+            )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if not temperature >= 0:
