@@ -77,6 +77,10 @@ def test_config_errors_name_the_key(tmp_path):
         _config.load(GRPOConfig, None, ["steps"])
     with pytest.raises(ValueError, match="min_digits"):
         GRPOConfig(min_digits=0)
+    with pytest.raises(ValueError, match="cuda_graphs must be 'auto', 'on' or 'off'"):
+        GRPOConfig(cuda_graphs="yes")
+    with pytest.raises(ValueError, match="rollout_dtype must be None, 'bf16' or 'fp16'"):
+        GRPOConfig(rollout_dtype="int8")
     f = tmp_path / "c.yaml"
     f.write_text("steps: 7\nlr: 3e-4\nkv_budget: 64MiB\n")
     cfg = _config.load(GRPOConfig, f, ["seed=3", "lr=1e-3"])
@@ -107,6 +111,26 @@ def test_offload_on_and_off_give_identical_losses_and_rewards(tmp_path):
     assert kl[-1] > 0  # the reference model scored the batch and the policy moved away from it
     # The reference model stays offloaded through the rollout (its host region holds nothing resident).
     assert on["phases"]["rollout"]["max_reference"] == 0 < off["phases"]["rollout"]["max_reference"]
+
+
+def test_rollout_from_a_bf16_copy_is_synced_every_step(tmp_path, monkeypatch):
+    from rlmem.integrations.hf import HFSampler
+
+    synced = []
+    orig = HFSampler.sync_weights
+
+    def counting(self):
+        synced.append({n: w.float().clone() for n, w in self.weights.items()})
+        return orig(self)
+
+    monkeypatch.setattr(HFSampler, "sync_weights", counting)
+    copy = _short(tmp_path, "copy", offload=True, rollout_dtype="bf16")
+    assert all(x == x for x in copy["losses"])
+    # once when the sampler is made (first rollout), then at the start of each later rollout, each time
+    # over a copy that training has since moved away from
+    assert len(synced) == 3
+    name = next(iter(synced[1]))
+    assert not torch.equal(synced[1][name], synced[2][name])
 
 
 def test_the_default_run_learns(tmp_path):

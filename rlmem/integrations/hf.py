@@ -129,6 +129,11 @@ class HFSampler:
         self._weights_stale = False
         if rollout_dtype is not None:
             named = dict(model.named_parameters())  # tied parameters once: functional_call ties them back
+            if any(type(p.data).__name__ == "DTensor" for p in named.values()):
+                raise ValueError(
+                    "rollout_dtype needs a model with plain parameters; this one's are DTensors (FSDP2), "
+                    "whose sharded copy could not run the model: leave rollout_dtype=None"
+                )
             size = sum(_round_up(p.numel() * rollout_dtype.itemsize, 256) for p in named.values())
             self.weights_region = Region(size, device, name=f"{name}/weights")
             self.weights = {n: self.weights_region.empty(p.shape, rollout_dtype) for n, p in named.items()}

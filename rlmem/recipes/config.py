@@ -27,6 +27,7 @@ TINY = dict(
     tie_word_embeddings=True,
 )
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
+ROLLOUT_DTYPES = (None, "bf16", "fp16")
 
 
 @dataclass(kw_only=True)
@@ -72,6 +73,11 @@ class GRPOConfig:
         offload: switch memory between phases with rlmem; None: on for CUDA, off on CPU.
         kv_budget: KV cache size: bytes (``"16GiB"``), a fraction of the device's total memory (0 < x <= 1),
             or None for exactly one rollout batch. Never larger than the rollout needs.
+        cuda_graphs: ``"auto"`` (on for CUDA), ``"on"`` or ``"off"``: the rollout's decode steps as CUDA
+            graph replays (captured once per batch-size bucket, kept across phase switches).
+        rollout_dtype: ``None`` (the rollout runs the training weights) or ``"bf16"`` / ``"fp16"``: sample
+            from a copy of the policy in that dtype, refreshed at the start of every rollout (with fp32
+            weights, each decode step then reads half the bytes and casts nothing).
         gradient_checkpointing: Hugging Face's activation checkpointing in the train phase.
         out_dir: where the log, timeline, table and plot go.
         progress: draw a progress bar on a terminal.
@@ -116,6 +122,8 @@ class GRPOConfig:
     precision: str = "auto"
     offload: bool | None = None
     kv_budget: int | float | str | None = None
+    cuda_graphs: str = "auto"
+    rollout_dtype: str | None = None
     gradient_checkpointing: bool = False
     out_dir: str = "runs/grpo"
     progress: bool = True
@@ -149,6 +157,8 @@ class GRPOConfig:
         need("max_grad_norm", is_num(self.max_grad_norm) and self.max_grad_norm > 0, "a number > 0")
         need("clip_eps", is_num(self.clip_eps) and 0 < self.clip_eps < 1, "in (0, 1)")
         need("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
+        need("cuda_graphs", self.cuda_graphs in ("auto", "on", "off"), "'auto', 'on' or 'off'")
+        need("rollout_dtype", self.rollout_dtype in ROLLOUT_DTYPES, "None, 'bf16' or 'fp16'")
         need("offload", self.offload in (None, True, False), "true, false or null (auto)")
         mt = self.max_tokens_per_micro_batch
         need("max_tokens_per_micro_batch", mt is None or (is_int(mt) and mt >= 1), "None or an int >= 1")

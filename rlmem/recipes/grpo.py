@@ -144,6 +144,9 @@ def _materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
             opt.state[p]["step"] = 0
 
 
+_ROLLOUT_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _kv_batch(cfg: GRPOConfig, model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype) -> int:
     """Sequences the KV cache holds: what ``kv_budget`` affords, never more than the rollout needs."""
     per_seq = kv_bytes_per_token(model.config, dtype) * max_len
@@ -392,11 +395,12 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 prompt_ids = [e.ids for e in exs]
 
             # ---- rollout ------------------------------------------------------------------------
-            with tl.phase("rollout", step) as ph_roll, pm.rollout():
+            sync = sampler.sync_weights if sampler is not None else None
+            with tl.phase("rollout", step) as ph_roll, pm.rollout(sync_weights=sync):
                 switch_s = (pm.stats().switches.rollout_s or 0.0) if offload else 0.0
                 model.eval()
                 if sampler is None:  # sized once the train state has made room
-                    kv_dtype = amp_dtype or param_dtype
+                    kv_dtype = amp_dtype or _ROLLOUT_DTYPES[cfg.rollout_dtype] or param_dtype
                     batch = _kv_batch(cfg, model, n_seqs, max_len, kv_dtype)
                     sampler = HFSampler(
                         model,
@@ -405,6 +409,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                         pad_token_id=pad_id,
                         eos_token_id=eos_id,
                         compute_dtype=amp_dtype,
+                        cuda_graphs=cfg.cuda_graphs,
+                        rollout_dtype=_ROLLOUT_DTYPES[cfg.rollout_dtype],
                     )
                     pm.add_engine(sampler)
                 tl.sample("rollout", step)  # the memory the rollout runs with, once the switch is done
