@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|train-real|comm] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|train-real|comm] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # bench-grpo passes its args to rlmem bench grpo_colocated (e.g. --parts big-offload --merge);
@@ -98,6 +98,13 @@ if [[ $what == all || $what == bench || $what == bench-megatron ]]; then
   [[ $what == bench-megatron ]] && extra=("$@")
   python3 -m rlmem bench megatron --machine "$name" --json "$OUT/megatron-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_megatron.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == all || $what == bench || $what == bench-rollout ]]; then
+  extra=()
+  [[ $what == bench-rollout ]] && extra=("$@")
+  python3 -m rlmem bench rollout --machine "$name" --json "$OUT/rollout-$name.json" "${extra[@]}" \
+    2>&1 | tee "$OUT/bench_rollout.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == bench-vmm ]]; then
