@@ -10,7 +10,7 @@ it, hidden or not, and says what that costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .._results import Result
 from .._units import GiB
@@ -42,6 +42,8 @@ class OffloadPlan(Result):
     finish_s: float
     stall_s: float = 0.0
     reasons: tuple[str, ...] = ()
+    measured_overhead: tuple[float, ...] = ()
+    shrunk: int = 0
 
     @property
     def offload_bytes(self) -> int:
@@ -56,6 +58,22 @@ class OffloadPlan(Result):
     def expected_overhead_s(self) -> float:
         """Seconds the compute is expected to wait for copies (0 when everything hides)."""
         return self.stall_s
+
+    def shrink(self, measured: float, limit: float) -> OffloadPlan:
+        """The plan with ``measured`` (a step's overhead over the warm-up step) recorded and, if it is over
+        ``limit``, the later half of the chosen candidates dropped (the last layers' tensors have the least
+        compute to hide their copies under, going out and coming back)."""
+        seen = (*self.measured_overhead, measured)
+        if measured <= limit or not self.chosen:
+            return replace(self, measured_overhead=seen)
+        keep = self.chosen[: len(self.chosen) // 2]
+        why = (
+            f"measured {measured:.1%} added to the step with {len(self.chosen)} candidates, over the "
+            f"allowed {limit:.1%}: kept the first {len(keep)}" + ("" if keep else "; nothing is offloaded")
+        )
+        return replace(
+            self, chosen=keep, measured_overhead=seen, shrunk=self.shrunk + 1, reasons=(*self.reasons, why)
+        )
 
     def selection(self) -> dict[str, list[int]]:
         """Chosen layers per name."""
@@ -76,6 +94,12 @@ class OffloadPlan(Result):
             f"of {sum(c.nbytes for c in self.candidates) / gib:.3f} GiB offloadable, expected wait "
             f"{self.expected_overhead_s * 1e3:.1f} ms",
         ]
+        if self.measured_overhead:
+            lines.append(
+                "  measured overhead over the warm-up step: "
+                + ", ".join(f"{m:+.1%}" for m in self.measured_overhead)
+                + (f" (shrunk {self.shrunk}x)" if self.shrunk else "")
+            )
         for name, layers in self.selection().items():
             lines.append(f"  {name}: layers {_ranges(layers)}")
         lines += [f"  - {r}" for r in self.reasons]

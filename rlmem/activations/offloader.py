@@ -59,6 +59,7 @@ CHECKPOINT_INPUT = "checkpoint_input"
 # At the start of layer i, the compute stream waits for the copies of layers <= i - RELEASE_LAG and their
 # device memory is freed: one layer of compute to hide each layer's copies behind.
 RELEASE_LAG = 2
+_VERIFY_TRIES = 6  # budget="auto": steps measured with the plan, shrinking it each time it is over
 current = _scopes.current
 
 _STEP_FIELDS = (
@@ -172,6 +173,9 @@ class ActivationOffloader:
         self._fetched: set[int] = set()
         self._selected: set[tuple[str, int]] | None = None
         self._measure: dict[tuple[str, int], list[Any]] | None = None
+        # budget="auto": the plan is checked against the warm-up step on the steps after it is made, and
+        # shrunk until the measured overhead is within max_overhead (at most _VERIFY_TRIES times).
+        self._verify: dict[str, Any] | None = None
         self._seen: set[int] = set()
         self._times: dict[str, Any] = {}
         self._totals = {"steps": 0, "offloaded_bytes": 0, "reloaded_bytes": 0}
@@ -460,8 +464,12 @@ class ActivationOffloader:
                 mode.__exit__(None, None, None)
         torch._C._autograd._pop_saved_tensors_default_hooks()
         self._finish_step()
-        if self._measure is not None and exc[0] is None:
+        if exc[0] is not None:
+            return
+        if self._measure is not None:
             self._make_plan()
+        elif self._verify is not None:
+            self._check_plan()
 
     def _finish_step(self) -> None:
         if self._inflight:
@@ -528,9 +536,30 @@ class ActivationOffloader:
         )
         self.plan = plan
         self._selected = {(c.name, c.layer) for c in plan.chosen}
+        if budget == "auto" and plan.chosen:
+            self._verify = {"baseline_s": plan.step_s, "tries": 0}
         if plan.offload_bytes:
             self._pool.reserve(plan.offload_bytes + (64 << 20))
         log.info("%s", plan)
+
+    def _check_plan(self) -> None:
+        """Measure the step that ran with the plan (one host sync) and shrink the plan if it added more
+        than ``max_overhead`` to the warm-up step: the copies' and hooks' own costs are in the measurement,
+        not in the model the plan was chosen by."""
+        assert self._verify is not None and self.plan is not None
+        end = self._copies.mark()
+        self._copies.synchronize()
+        step = self._copies.elapsed(self._times["start"], end)
+        v = self._verify
+        measured = step / max(v["baseline_s"], 1e-9) - 1
+        plan = self.plan.shrink(measured, self.max_overhead)
+        v["tries"] += 1
+        if plan.chosen == self.plan.chosen or not plan.chosen or v["tries"] >= _VERIFY_TRIES:
+            self._verify = None
+        self.plan = plan
+        self._selected = {(c.name, c.layer) for c in plan.chosen}
+        if plan.shrunk:
+            log.info("%s", plan)
 
     # ------------------------------------------------------------ reporting
     def stats(self) -> ActivationStats:
@@ -575,8 +604,10 @@ def offload_activations(
             (``core_attn`` is the attention computation from q, k, v to its output; ``attn_proj`` needs it,
             since its input is that output). With ``budget``: the candidates (default: all the model has).
         min_bytes: saved tensors whose storage is smaller stay on the device.
-        budget: ``"auto"`` measures the first step (nothing offloaded) and then offloads, per name and layer,
-            what the link can copy under the forward pass plus ``max_overhead`` of the step; an integer is
+        budget: ``"auto"`` measures the first step (nothing offloaded), then offloads, per name and layer,
+            what the link can copy under the forward pass plus ``max_overhead`` of the step, and measures
+            the next steps against the first, halving the plan while it adds more than ``max_overhead``
+            (the copies' and hooks' own costs show there; ``handle.plan.measured_overhead``); an integer is
             a byte budget for the activations left on the device (offloading more, hidden or not, until
             they fit). The choice is in ``handle.plan`` and logged.
         max_overhead: the share of the step the budget mode may add waiting for copies.

@@ -191,7 +191,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
     peak = peak_fwd = 0
     handle = None
     try:
-        warm = 2 if name == "rlmem:auto" else 1
+        warm = 4 if name == "rlmem:auto" else 1  # measure, then check the plan
         for i in range(warm + steps):
             model.zero_grad(set_to_none=True)
             gc.collect()

@@ -291,7 +291,7 @@ def _act_row(
         else:
             handle = offload_activations(model, list(DENSE_NAMES) if what == "all" else what.split("+"))
     times, fwds, peaks = [], [], []
-    warm = 2 if who == "rlmem:auto" else 1
+    warm = 4 if who == "rlmem:auto" else 1  # measure, then check the plan
     try:
         for i in range(warm + steps):
             model.zero_grad(set_to_none=True)
