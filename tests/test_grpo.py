@@ -160,7 +160,9 @@ def test_outputs_and_report(tmp_path, capsys):
 
 @pytest.mark.cuda
 def test_offload_on_and_off_identical_on_cuda(tmp_path):
-    kw = dict(kl_coef=0.1, updates_per_step=2, micro_batch_size=8, device="cuda")
+    # Graphs off: on this tiny model the first rollout's peak is set by the decode graph's capture
+    # (33-66 MiB of warm-up and pool), which hides the few MiB the offload frees.
+    kw = dict(kl_coef=0.1, updates_per_step=2, micro_batch_size=8, device="cuda", cuda_graphs="off")
     off = _short(tmp_path, "off", offload=False, **kw)
     on = _short(tmp_path, "on", offload=True, **kw)
     assert on["losses"] == off["losses"] and on["rewards"] == off["rewards"]
