@@ -133,9 +133,14 @@ class HostBuffer:
                 pass
         self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
+        self.numa_node: int | None = None
         if pinned:
-            from . import _cuda
+            from . import _cuda, _numa
 
+            # On a multi-node host, the pages go to the GPU's node (set before they are first touched).
+            node = _numa.gpu_node(device_index)
+            if _numa.place(self.ptr, nbytes, node):
+                self.numa_node = node
             # Populate with all intra-op threads first; registering unpopulated pages faults them in one
             # thread at a time, several times slower.
             self.tensor.zero_()
