@@ -157,10 +157,10 @@ def test_activation_offload_grads_bit_equal_cuda():
 
 # A stand-in for Megatron's mixed-precision optimizer on the CPU: the same structure (a wrapper whose inner
 # torch optimizer holds fp32 clones, the main parameters, stepped from the DDP's main_grad).
-_CPU_STATE = """
+_MIXED = """
 class MixedPrecision:
-    def __init__(self, model):
-        self.model_params = [p for p in model.parameters()]
+    def __init__(self, chunks):
+        self.model_params = [p for c in chunks for p in c.parameters()]
         self.main = [p.detach().clone().float() for p in self.model_params]
         self.optimizer = torch.optim.AdamW(self.main, lr=1e-2)
     def step(self):
@@ -171,10 +171,15 @@ class MixedPrecision:
             for p, m in zip(self.model_params, self.main):
                 p.copy_(m)
 
+"""
+
+_CPU_STATE = (
+    _MIXED
+    + """
 def trainer(seed):
     cfg, model = build(seed)
     ddp = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-    return ddp, MixedPrecision(ddp)
+    return ddp, MixedPrecision([ddp])
 
 ref, ref_opt = trainer(0)
 ref_losses = [step(ref, ref_opt) for _ in range(4)]
@@ -235,6 +240,7 @@ print(json.dumps({
     "main_bytes": sum(m.numel() * 4 for m in opt.main), "after_close": after_close,
 }))
 """
+)
 
 
 def test_ddp_buffers_and_main_params_adopted_whole_cpu():
@@ -343,20 +349,9 @@ def test_example_runs_cuda():
     assert len(lines) == 2 and "rollout freed" in lines[0]
 
 
-_CHUNKS = """
-class MixedPrecision:
-    def __init__(self, chunks):
-        self.model_params = [p for c in chunks for p in c.parameters()]
-        self.main = [p.detach().clone().float() for p in self.model_params]
-        self.optimizer = torch.optim.AdamW(self.main, lr=1e-2)
-    def step(self):
-        for p, m in zip(self.model_params, self.main):
-            m.grad = p.main_grad.float().clone()
-        self.optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(self.model_params, self.main):
-                p.copy_(m)
-
+_CHUNKS = (
+    _MIXED
+    + """
 def chunks(seed):
     out = []
     for k in range(2):
@@ -389,6 +384,7 @@ out = {"ref": steps(ref, ref_opt, 3), "got": steps(cs, opt, 3, st), "regions": r
        "same": all(torch.equal(bits(a), bits(b)) for a, b in zip(ref_opt.main, opt.main))}
 print(json.dumps(out))
 """
+)
 
 
 def test_list_of_model_chunks_cpu():
