@@ -120,16 +120,17 @@ def test_rollout_from_a_bf16_copy_is_synced_every_step(tmp_path, monkeypatch):
     orig = HFSampler.sync_weights
 
     def counting(self):
+        orig(self)
         synced.append({n: w.float().clone() for n, w in self.weights.items()})
-        return orig(self)
 
     monkeypatch.setattr(HFSampler, "sync_weights", counting)
     copy = _short(tmp_path, "copy", offload=True, rollout_dtype="bf16")
     assert all(x == x for x in copy["losses"])
     # once when the sampler is made (first rollout), then at the start of each later rollout, each time
-    # over a copy that training has since moved away from
+    # with the weights training has moved to since (the copy is discarded while the engine sleeps)
     assert len(synced) == 3
     name = next(iter(synced[1]))
+    assert not torch.equal(synced[0][name], synced[1][name])
     assert not torch.equal(synced[1][name], synced[2][name])
 
 

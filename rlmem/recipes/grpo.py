@@ -340,11 +340,18 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         )
 
     # rlmem: one switch. During rollout the optimizer states go to pinned host memory and gradients are
-    # dropped; the rollout runs on the policy's own weights, so they stay.
+    # dropped; the rollout runs on the policy's own weights (or on its rollout_dtype copy, which is synced
+    # at every rollout, so the engine discards it while asleep instead of keeping it in host memory).
     pm = PhaseManager(
         model,
         opt,
-        OffloadConfig(offload_during_rollout=offload, params="keep", grads="discard", optimizer="offload"),
+        OffloadConfig(
+            offload_during_rollout=offload,
+            params="keep",
+            grads="discard",
+            optimizer="offload",
+            engine_sleep_level=2 if cfg.rollout_dtype else 1,
+        ),
     )
     ref_state = None
     if ref is not None and offload:
