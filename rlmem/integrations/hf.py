@@ -158,8 +158,7 @@ class HFSampler:
         self.cache.reset()
         self.tokens_generated = 0
         self.captures = 0  # CUDA graphs captured so far (one per bucket, again only if the weights moved)
-        self._graphs: dict[int, _Decode] = {}
-        self._eager: dict[int, _Decode] = {}
+        self._decoders: dict[int, _Decode] = {}  # by rows; with CUDA graphs, each holds its graph
         self._pool: Any = None
         self._fingerprint: tuple[int, ...] = ()
 
@@ -254,19 +253,15 @@ class HFSampler:
 
     def _decoder(self, size: int) -> _Decode:
         """The fixed decode buffers of ``size`` rows (and their captured graph, with CUDA graphs)."""
-        if not self.cuda_graphs:
-            d = self._eager.get(size)
-            if d is None:
-                d = self._eager[size] = _Decode(size, self.max_len, self.region.device)
-            return d
-        fp = self._weights_fingerprint()
-        if fp != self._fingerprint:  # the weights moved (adopted or reloaded elsewhere): graphs are stale
-            self._graphs.clear()
-            self._pool = None
-            self._fingerprint = fp
-        d = self._graphs.get(size)
+        if self.cuda_graphs:
+            fp = self._weights_fingerprint()
+            if fp != self._fingerprint:  # the weights moved (adopted or reloaded elsewhere): graphs are stale
+                self._decoders.clear()
+                self._pool = None
+                self._fingerprint = fp
+        d = self._decoders.get(size)
         if d is None:
-            d = self._graphs[size] = _Decode(size, self.max_len, self.region.device)
+            d = self._decoders[size] = _Decode(size, self.max_len, self.region.device)
         return d
 
     def _decode(self, d: _Decode) -> torch.Tensor:
@@ -377,8 +372,7 @@ class HFSampler:
         ids, mask = ids.to(device), mask.to(device)
         pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
         full = [(layer.keys, layer.values) for layer in self.cache.layers]
-        if self.cuda_graphs:
-            self._decoder(rows)  # drops stale graphs before the cache is touched
+        d = self._decoder(rows)
         try:
             # A last, partial batch uses the first rows of the cache: n to prefill, its bucket to decode.
             self._use_rows(full, n)
@@ -387,7 +381,6 @@ class HFSampler:
             done = torch.zeros(n, dtype=torch.bool, device=device)
             steps = []
             self._use_rows(full, rows)
-            d = self._decoder(rows)
             d.start(mask[:, :width], pos[:, -1], width)
             for t in range(max_new_tokens):
                 nxt = _sample(logits[:n], temperature, top_p, gen)
@@ -419,7 +412,6 @@ class _Decode:
     (True: attend) over the whole cache, updated in place; with a CUDA graph, its output logits too."""
 
     def __init__(self, size: int, max_len: int, device: torch.device) -> None:
-        self.size = size
         self.ids = torch.zeros((size, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((size, 1), dtype=torch.long, device=device)
         self.mask = torch.zeros((size, 1, 1, max_len), dtype=torch.bool, device=device)

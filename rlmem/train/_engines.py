@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["TAGS", "check_tags", "sleep", "takes", "wake"]
+__all__ = ["TAGS", "check_tags", "sleep", "takes"]
 
 TAGS = ("weights", "kv_cache")
 
@@ -43,14 +43,6 @@ def check_tags(tags: Sequence[str] | None, field: str = "tags") -> list[str] | N
     if unknown:
         raise ValueError(f"{field}: unknown tag(s) {unknown}; allowed: {', '.join(TAGS)}")
     return list(tags)
-
-
-def wake(engine: Any, tags: Sequence[str]) -> bool:
-    """Wake ``tags`` of a tagged engine; returns False (doing nothing) for an engine without tags."""
-    if not takes(engine.wake, "tags"):
-        return False
-    engine.wake(tags=list(tags))
-    return True
 
 
 def sleep(engine: Any, level: int) -> None:

@@ -56,19 +56,17 @@ def torch_optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):
             out.append(inner)
-    seen: set[int] = set()
-    return [o for o in out if not (id(o) in seen or seen.add(id(o)))]  # type: ignore[func-returns-value]
+    return list({id(o): o for o in out}.values())
 
 
-def _buffers(root: nn.Module) -> list[object]:
-    """Megatron DDP's ``_ParamAndGradBuffer`` objects: the ``buffers`` and ``expert_parallel_buffers``
-    lists it sets on itself (shadowing ``nn.Module.buffers``)."""
+def _buffers(m: nn.Module) -> list[object]:
+    """The ``_ParamAndGradBuffer`` objects of a Megatron DDP module: the ``buffers`` and
+    ``expert_parallel_buffers`` lists it sets on itself (shadowing ``nn.Module.buffers``); [] for others."""
     out: list[object] = []
-    for m in root.modules():
-        for attr in ("buffers", "expert_parallel_buffers"):
-            lst = m.__dict__.get(attr)
-            if isinstance(lst, list):
-                out.extend(b for b in lst if isinstance(getattr(b, "grad_data", None), torch.Tensor))
+    for attr in ("buffers", "expert_parallel_buffers"):
+        lst = m.__dict__.get(attr)
+        if isinstance(lst, list):
+            out.extend(b for b in lst if isinstance(getattr(b, "grad_data", None), torch.Tensor))
     return out
 
 
@@ -86,6 +84,7 @@ class Found:
     counts). ``main_params``: optimizer-owned parameters (fp32 main params) in no model or buffer storage.
     ``covered``: storage keys of the buffers (a parameter whose data lies in one is not adopted on its own).
     ``grad_covered``: ids of parameters whose gradient is ``main_grad`` in a grad buffer.
+    ``owners``: the DDP modules that hold the buffers (their ``zero_grad_buffer()`` zeroes them).
     """
 
     param_storages: list[torch.Tensor] = field(default_factory=list)
@@ -93,18 +92,15 @@ class Found:
     main_params: list[torch.Tensor] = field(default_factory=list)
     covered: set[int] = field(default_factory=set)
     grad_covered: set[int] = field(default_factory=set)
-    buffers: list[object] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.param_storages or self.grad_storages or self.main_params)
+    owners: list[nn.Module] = field(default_factory=list)
 
 
 def find(
     root: nn.Module, params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer], wrapper: bool
 ) -> Found:
     """Megatron's buffers in ``root`` and, when ``optimizer`` is a Megatron wrapper, its main parameters."""
-    found = Found(buffers=_buffers(root))
-    for b in found.buffers:
+    found = Found(owners=[m for m in root.modules() if _buffers(m)])
+    for b in (b for m in found.owners for b in _buffers(m)):
         pd = getattr(b, "param_data", None)
         gd = b.grad_data  # type: ignore[attr-defined]
         if isinstance(pd, torch.Tensor) and pd.numel() and _key(pd) not in found.covered:

@@ -213,7 +213,10 @@ class PhaseManager:
         if self.enabled and self.phase != "rollout":
             t0 = time.perf_counter()
             assert self.state is not None
-            bare = [e for e in self.engines if not _engines.takes(e.wake, "tags")]
+            tagged: list[Any] = []
+            bare: list[Any] = []
+            for e in self.engines:
+                (tagged if _engines.takes(e.wake, "tags") else bare).append(e)
             if sync_weights is not None and bare and self.config.params == "discard":
                 raise ValueError(
                     "rollout(sync_weights=...): engine(s) "
@@ -222,8 +225,8 @@ class PhaseManager:
                     "params='discard' leaves nothing to sync from; give them wake(tags) or use "
                     "params='offload'"
                 )
-            for e in self.engines:
-                _engines.wake(e, ["weights"])
+            for e in tagged:
+                e.wake(tags=["weights"])
             if sync_weights is not None and not bare:
                 sync_weights()
             self.state.offload(**self.config.policies(), blocking=True)
@@ -236,8 +239,8 @@ class PhaseManager:
                 e.wake()
             if sync_weights is not None and bare:
                 sync_weights()
-            for e in self.engines:
-                _engines.wake(e, ["kv_cache"])
+            for e in tagged:
+                e.wake(tags=["kv_cache"])
             self._switches["rollout_s"] = time.perf_counter() - t0
             self._switches["count"] += 1
             self.phase = "rollout"

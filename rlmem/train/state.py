@@ -228,11 +228,11 @@ class TrainState:
         self._whole: set[int] = set()
         self._standin: set[int] = set()
         self._standin_dirty: set[int] = set()
-        self._zero_on_return: set[int] = set()
+        self._zero_grads_on_return = False
 
         params = list(root.parameters())
         self._mc = _mc.find(root, params, self._opts, wrapper)
-        params = self._collect_params(root, params)
+        params = self._collect_params(params)
         self._adopt_params(params)
         self._adopt_grads(params)
         self._adopt_whole("optimizer", self._mc.main_params)
@@ -256,7 +256,7 @@ class TrainState:
             torch.cuda.empty_cache()  # the tensors adopted from the caching allocator are free now
 
     # -- adoption ------------------------------------------------------------------------------------
-    def _collect_params(self, model: nn.Module, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    def _collect_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         for p in params:
             plain = type(p.data) is torch.Tensor or _dt.is_dtensor(p.data)
             if not plain or p.is_sparse or p.is_quantized or p.is_meta or _dt.local(p.data).is_meta:
@@ -574,28 +574,19 @@ class TrainState:
             if back and not host:
                 # Stream-ordered: work queued from now on sees the reloaded bytes.
                 self._attach(cat)
-            if back:
-                self._zero_returned(cat)
+            if back and cat == "grads" and self._zero_grads_on_return:
+                self._zero_returned_grads()
 
     def _attach(self, cat: str) -> None:
         _holders.attach(self._away[cat])
         self._away[cat] = []
 
-    def _zero_returned(self, cat: str) -> None:
-        """Zero the discarded Megatron grad buffers that are back (``zero_grad_buffer()`` semantics), on the
-        current stream, after their memory is mapped."""
-        back = [r for r in self._regions[cat] if id(r) in self._zero_on_return and not r.paused]
-        if not back:
-            return
-        for c, r, flat, _ in self._repointed:
-            if c == cat and any(r is b for b in back):
-                flat.zero_()
-        for b in back:
-            self._zero_on_return.discard(id(b))
-        for m in self._root.modules():
-            if m.__dict__.get("buffers") is not None and "params_with_grad" in m.__dict__:
-                for p in m.__dict__["params_with_grad"]:
-                    p.grad_added_to_main_grad = False  # the rest of Megatron's zero_grad_buffer()
+    def _zero_returned_grads(self) -> None:
+        """Discarded Megatron grad buffers come back as after ``zero_grad_buffer()``: Megatron's own, on the
+        current stream once their memory is mapped (it also resets the buckets and per-parameter flags)."""
+        self._zero_grads_on_return = False
+        for m in self._mc.owners:
+            m.zero_grad_buffer()
 
     def _zero_standin(self, region: Region) -> None:
         if id(region) in self._standin_dirty:  # it held offloaded gradients: not a zeroed stand-in any more
@@ -709,7 +700,7 @@ class TrainState:
                     away = partial(_backup_view, region, region.device.type == "cuda")
                     if not keep:
                         self._zero_standin(region)
-                        self._zero_on_return.add(id(region))
+                        self._zero_grads_on_return = True
 
                     def then(h: Handle, entries: list[Entry] = entries, away: Any = away) -> None:
                         h.wait_copied()
