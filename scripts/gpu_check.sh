@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|train-real|comm] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|train-real|comm|comm-debug|grpo-dist] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # bench-grpo passes its args to rlmem bench grpo_colocated (e.g. --parts big-offload --merge);
@@ -117,7 +117,29 @@ if [[ $what == comm ]]; then
   python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())' 2>&1 | tee "$OUT/comm_nccl.txt"
   python3 -m pytest -q -rs tests/test_comm.py "$@" 2>&1 | tee "$OUT/tests_comm.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-  python3 -m rlmem bench comm --machine "$name" --json "$OUT/comm-$name.json" 2>&1 | tee "$OUT/bench_comm.log"
+  python3 -m rlmem bench comm --machine "$name" --json "$OUT/comm-$name.json" \
+    --variants "${COMM_VARIANTS:-default,buff1m,ctas4,p2p0,connect0,lean}" 2>&1 | tee "$OUT/bench_comm.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == comm-debug ]]; then
+  # What one group allocates, from NCCL's own log (one file per rank under $OUT).
+  lib=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}/libnccl.so.2
+  [[ -f $lib ]] && export LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}"
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ALLOC NCCL_DEBUG_FILE="$OUT/nccl.%h.%p.log" \
+    python3 -m rlmem bench comm --machine "$name" --counts 1 --reps 1 --phase-gib 0 "$@" 2>&1 | tail -5
+fi
+if [[ $what == grpo-dist ]]; then
+  # rlmem train under torchrun on every GPU: the 2.7B example, communicators kept and suspended.
+  lib=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}/libnccl.so.2
+  [[ -f $lib ]] && export LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}"
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  for comms in keep suspend; do
+    python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" -m rlmem train \
+      examples/grpo_qwen2_2p7b.yaml comms=$comms progress=false plot=false \
+      out_dir="/tmp/rlmem-grpo-dist-$comms" "$@" 2>&1 | tee "$OUT/grpo_dist_$comms.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    cp "/tmp/rlmem-grpo-dist-$comms/summary.json" "$OUT/grpo_dist_${comms}_summary.json" 2>/dev/null
+    cp "/tmp/rlmem-grpo-dist-$comms/log.jsonl" "$OUT/grpo_dist_${comms}_log.jsonl" 2>/dev/null
+  done
 fi
 exit $status

@@ -127,3 +127,100 @@ def test_two_gpus_rebuild_fallback_50_cycles(tmp_path):
         assert r["train_suspended"] == [] and len(r["rollout_suspended"]) == 1
         if not r["can_suspend"]:
             assert "2.29.7" in r["warnings"][0] and "rebuilt the communicators" in r["warnings"][1]
+
+
+class _FakeNccl:
+    """The ctypes binding's surface, recording calls (no libnccl on a CPU machine)."""
+
+    has_suspend = True
+    version_string = "2.32.3"
+    path = "/fake/libnccl.so.2"
+
+    def __init__(self):
+        self.calls = []
+
+    def suspend(self, ptr):
+        self.calls.append(("suspend", ptr))
+
+    def resume(self, ptr):
+        self.calls.append(("resume", ptr))
+
+    def mem_stat(self, ptr, stat):
+        self.calls.append(("mem_stat", ptr))
+        return 5
+
+    def async_error(self, ptr):
+        return 0
+
+
+class _TorchBackend:
+    """torch >= 2.12's ProcessGroupNCCL surface; ``headers_old`` raises as a torch built against NCCL
+    headers older than the API does."""
+
+    def __init__(self, headers_old=False):
+        self.headers_old = headers_old
+        self.calls = []
+
+    def _check(self, what):
+        self.calls.append(what)
+        if self.headers_old:
+            raise RuntimeError(f"{what}() requires NCCL 2.29.7 or later")
+
+    def suspend(self):
+        self._check("suspend")
+
+    def resume(self):
+        self._check("resume")
+
+    def memory_stats(self):
+        self._check("memory_stats")
+        return {"suspend": 480 * MiB, "suspended": 1, "persist": 2 * MiB, "total": 482 * MiB}
+
+
+def _patched(monkeypatch, has_api):
+    from rlmem.comm import _driver
+
+    fake = _FakeNccl()
+    monkeypatch.setattr(_nccl, "library", lambda: fake)
+    monkeypatch.setattr(_driver, "torch_has_api", lambda: has_api)
+    return _driver, fake
+
+
+def test_driver_uses_torchs_own_suspend_where_torch_has_it(monkeypatch):
+    _driver, fake = _patched(monkeypatch, True)
+    drv = _driver._Driver()
+    assert drv.api == "torch" and "via torch" in drv.describe
+    c = _driver._Comm(_TorchBackend(), 1234)
+    drv.suspend(c)
+    assert drv.mem_stat(c, _nccl.STAT_SUSPEND) == 480 * MiB
+    assert drv.mem_stat(c, _nccl.STAT_SUSPENDED) == 1
+    assert drv.mem_stat(c, _nccl.STAT_PERSIST) == 2 * MiB
+    drv.resume(c)
+    assert c.backend.calls == ["suspend", "memory_stats", "memory_stats", "memory_stats", "resume"]
+    assert fake.calls == []  # nothing went through ctypes
+
+
+def test_driver_falls_back_to_ctypes_when_torchs_build_lacks_the_api(monkeypatch):
+    _driver, fake = _patched(monkeypatch, True)
+    drv = _driver._Driver()
+    c = _driver._Comm(_TorchBackend(headers_old=True), 1234)
+    drv.suspend(c)  # torch's method raised "requires NCCL": the same call goes through ctypes
+    assert drv.api == "ctypes" and fake.calls == [("suspend", 1234)]
+    drv.resume(c)
+    assert c.backend.calls == ["suspend"] and fake.calls[-1] == ("resume", 1234)
+    # forced to torch's API, its error is the caller's
+    forced = _driver._Driver(api="torch")
+    with pytest.raises(RuntimeError, match=r"requires NCCL 2\.29\.7"):
+        forced.suspend(_driver._Comm(_TorchBackend(headers_old=True), 1))
+
+
+def test_driver_without_torchs_api_uses_ctypes(monkeypatch):
+    _driver, fake = _patched(monkeypatch, False)
+    drv = _driver._Driver()
+    c = _driver._Comm(_TorchBackend(), 77)
+    drv.suspend(c)
+    drv.resume(c)
+    assert drv.api == "ctypes" and "via ctypes" in drv.describe
+    assert fake.calls == [("suspend", 77), ("resume", 77)] and c.backend.calls == []
+    with pytest.raises(RuntimeError, match=r"no suspend\(\)/resume\(\)"):
+        _driver._Driver(api="torch")

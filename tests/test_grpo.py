@@ -81,6 +81,12 @@ def test_config_errors_name_the_key(tmp_path):
         GRPOConfig(cuda_graphs="yes")
     with pytest.raises(ValueError, match="rollout_dtype must be None, 'bf16' or 'fp16'"):
         GRPOConfig(rollout_dtype="int8")
+    with pytest.raises(ValueError, match="comms must be 'keep' or 'suspend'"):
+        GRPOConfig(comms="destroy")
+    # one process on the CPU has no NCCL communicators to suspend: refused before anything is built
+    with pytest.raises(ValueError, match=r"comms='suspend' .* 1 rank\(s\) on cpu"):
+        run(GRPOConfig(comms="suspend", device="cpu", out_dir=str(tmp_path / "s")), echo=lambda *a, **k: None)
+    assert not (tmp_path / "s").exists()
     f = tmp_path / "c.yaml"
     f.write_text("steps: 7\nlr: 3e-4\nkv_budget: 64MiB\n")
     cfg = _config.load(GRPOConfig, f, ["seed=3", "lr=1e-3"])

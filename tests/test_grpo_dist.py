@@ -53,6 +53,18 @@ def test_fsdp2_two_gpus_offload_on_and_off_identical(tmp_path):
     _compare(tmp_path, "cuda")
 
 
+@pytest.mark.gpus(2)
+def test_fsdp2_two_gpus_comms_suspended_during_rollout_identical(tmp_path):
+    # The NCCL communicators give their memory back during rollout (NCCL's suspend, or the rebuild
+    # fallback where the loaded NCCL has none): FSDP gathers the weights before they go, the evaluation's
+    # reduction runs on Gloo, and training is what it is with them kept.
+    common = ["device=cuda", "steps=3", "prompts_per_step=8", "group_size=4", "kl_coef=0.1", "offload=true"]
+    common += ["updates_per_step=2", "micro_batch_size=4", "save_every=0"]
+    keep = _torchrun(tmp_path, "keep", *common, "comms=keep")
+    susp = _torchrun(tmp_path, "susp", *common, "comms=suspend")
+    assert susp["losses"] == keep["losses"] and susp["rewards"] == keep["rewards"]
+
+
 def test_prompts_must_split_evenly_over_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "rlmem"]
     cmd += ["train", "device=cpu", "steps=1", "prompts_per_step=3", f"out_dir={tmp_path}"]

@@ -9,6 +9,14 @@ communicators back (seconds). The summary, at 8 groups (or the largest), for rlm
 (``method``): ``suspend_resume_s`` (slowest rank; suspend + resume + the groups' first all-reduce, where a
 rebuilt communicator connects), ``freed_fraction`` (device bytes freed over NCCL's suspendable bytes),
 ``speedup_vs_recreate``, and the fallback's figures beside them.
+
+``--variants`` repeats the suspend/resume part under NCCL settings that change what a communicator
+allocates (``VARIANTS``: buffer size, channel count, P2P, lazy connection; none switches NVLink SHARP on),
+each in fresh processes, with a 256 MiB all-reduce's bus bandwidth beside it (what the setting costs).
+``--phase-gib G`` measures what a ``PhaseManager`` switch does not hide of the communicators: a train state of
+G GiB per rank (fp32 parameters + Adam), a rollout/train cycle with ``comms="keep"`` and with
+``comms="suspend"`` over the 8 groups, until the groups' first collective in train has run; the difference
+is ``exposed_comm_s`` (target < 0.2 s).
 """
 
 from __future__ import annotations
@@ -26,7 +34,26 @@ import torch
 from .._units import MiB
 
 NAME = "comm"
-TARGETS = {"suspend_resume_s": ("<", 1.0), "freed_fraction": (">=", 0.9), "speedup_vs_recreate": (">=", 5.0)}
+TARGETS = {
+    "suspend_resume_s": ("<", 1.0),
+    "freed_fraction": (">=", 0.9),
+    "speedup_vs_recreate": (">=", 5.0),
+    "exposed_comm_s": ("<", 0.2),
+}
+# NCCL settings that change how many buffers a communicator holds and how large they are (environment,
+# read when each process first initialises NCCL).
+VARIANTS: dict[str, dict[str, str]] = {
+    "default": {},
+    "buff1m": {"NCCL_BUFFSIZE": str(1 << 20)},
+    "ctas4": {"NCCL_MIN_CTAS": "1", "NCCL_MAX_CTAS": "4"},
+    "p2p0": {"NCCL_P2P_DISABLE": "1"},
+    "connect0": {"NCCL_RUNTIME_CONNECT": "0"},
+    "lean": {
+        "NCCL_BUFFSIZE": str(1 << 20),
+        "NCCL_MIN_CTAS": "1",
+        "NCCL_MAX_CTAS": "4",
+    },
+}
 
 
 def _groups(n: int, world: int) -> list[Any]:
@@ -40,16 +67,89 @@ def _groups(n: int, world: int) -> list[Any]:
     return gs
 
 
-def _worker(rank: int, world: int, counts: list[int], reps: int, port: int, out: str) -> None:
+def _busbw(world: int, nbytes: int = 256 << 20) -> float:
+    """All-reduce bus bandwidth over the world group, bytes/s (NCCL's definition: 2(n-1)/n of the size per
+    second), best of 5."""
+    import torch.distributed as dist
+
+    t = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    best = float("inf")
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes * 2 * (world - 1) / world / best
+
+
+def _phase(gib: float, gs: list[Any], rank: int, reps: int) -> dict[str, Any]:
+    """One rank's rollout/train cycle with comms kept and with them suspended: seconds until the train phase's
+    first collective on every group has run (the reload of the state included)."""
+    import torch.distributed as dist
+
+    from ..train.phases import OffloadConfig, PhaseManager
+
+    n = max(1, round(gib * (1 << 30) / (3 * 4 * 4096 * 4096)))  # fp32 weight + 2 Adam moments per layer
+    out: dict[str, Any] = {"state_bytes": 3 * 4 * 4096 * 4096 * n}
+    for comms in ("keep", "suspend"):
+        # A model of its own per mode: a PhaseManager adopts the state it is given.
+        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(n)]).cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        model(torch.ones(8, 4096, device="cuda")).sum().backward()
+        opt.step()
+        pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True, comms=comms), comm_groups=gs)
+        rows = []
+        for _ in range(reps + 1):
+            dist.barrier(device_ids=[rank])
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with pm.rollout():
+                pass
+            t1 = time.perf_counter()
+            with pm.train():
+                for g in gs:
+                    dist.all_reduce(torch.ones(1, device="cuda"), group=g)
+                opt.step()  # waits for the optimizer states
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            rows.append({"rollout_s": t1 - t0, "train_s": t2 - t1})
+        rows = rows[1:]  # the first cycle adopts the state and allocates the backups
+        out[comms] = {"runs": rows, **min(rows, key=lambda r: r["rollout_s"] + r["train_s"])}
+        assert pm.state is not None
+        pm.state.close()
+        del pm, model, opt
+        torch.cuda.empty_cache()
+    keep, susp = out["keep"], out["suspend"]
+    out["exposed_rollout_s"] = susp["rollout_s"] - keep["rollout_s"]
+    out["exposed_train_s"] = susp["train_s"] - keep["train_s"]
+    out["exposed_comm_s"] = out["exposed_rollout_s"] + out["exposed_train_s"]
+    return out
+
+
+def _worker(
+    rank: int,
+    world: int,
+    counts: list[int],
+    reps: int,
+    port: int,
+    out: str,
+    env: dict[str, str],
+    rebuild: bool,
+    phase_gib: float,
+) -> None:
     import torch.distributed as dist
 
     from .. import comm
+    from ..comm._suspend import registry
 
+    os.environ.update(env)  # before this process first initialises NCCL, which reads them once
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    can_suspend = comm._get_driver().can_suspend
-    res: dict[str, Any] = {"nccl": comm._get_driver().describe, "can_suspend": can_suspend, "points": {}}
+    drv = registry.get_driver()
+    can_suspend = drv.can_suspend
+    res: dict[str, Any] = {"nccl": drv.describe, "can_suspend": can_suspend, "env": env, "points": {}}
 
     def touch(gs: list[Any]) -> None:
         # One small all-reduce per group: connects communicators that NCCL sets up lazily, as the first
@@ -89,14 +189,23 @@ def _worker(rank: int, world: int, counts: list[int], reps: int, port: int, out:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", comm.CommFallbackWarning)
+            res["busbw_bytes_per_s"] = _busbw(world)
             for n in counts:
                 gs = _groups(n, world)
                 point: dict[str, Any] = {}
                 if can_suspend:
                     stats = comm.memory_stats(gs)
                     point["suspendable_bytes"] = sum(v.suspendable_bytes or 0 for v in stats.values())
+                    point["persistent_bytes"] = sum(v.persistent_bytes or 0 for v in stats.values())
                     rows = cycles(gs, "suspend")
                     point.update(runs=rows, **best(rows))
+                if phase_gib and n == max(counts):
+                    res["phase"] = _phase(phase_gib, gs, rank, reps)
+                if not rebuild:
+                    res["points"][str(n)] = point
+                    for g in gs:
+                        dist.destroy_process_group(g)
+                    continue
                 # rlmem's fallback: the communicators destroyed and rebuilt under the same group objects.
                 rows = cycles(gs, "rebuild")
                 b = best(rows)
@@ -126,9 +235,13 @@ def _worker(rank: int, world: int, counts: list[int], reps: int, port: int, out:
         dist.destroy_process_group()
 
 
-def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    ranks: list[dict[str, Any]], variants: dict[str, list[dict[str, Any]]] | None = None
+) -> dict[str, Any]:
     """At the largest count: rlmem's default path (NCCL's suspend where the loaded NCCL has it, else the
-    rebuild fallback) against destroy + re-create; the fallback's own figures beside it. Slowest rank."""
+    rebuild fallback) against destroy + re-create; the fallback's own figures beside it; per variant of the
+    NCCL settings, its suspend + resume, bytes and bandwidth; the PhaseManager's exposed comm time. Slowest
+    rank throughout."""
     pts = ranks[0].get("points", {})
     if not pts:
         return {}
@@ -154,7 +267,46 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         out["method"] = "rebuild"
         out["suspend_resume_s"] = rebuild
         out["speedup_vs_recreate"] = recreate / rebuild
+    if all("phase" in r for r in ranks):
+        out["exposed_comm_s"] = max(r["phase"]["exposed_comm_s"] for r in ranks)
+        out["phase_state_bytes"] = ranks[0]["phase"]["state_bytes"]
+    rows = {}
+    for name, vr in (variants or {}).items():
+        vp = [r["points"][n] for r in vr if n in r.get("points", {})]
+        if len(vp) != len(vr) or not vp or "suspend_s" not in vp[0]:
+            continue
+        v_sr = max(q["suspend_s"] + q["resume_s"] + q["first_collective_s"] for q in vp)
+        rows[name] = {
+            "suspend_s": max(q["suspend_s"] for q in vp),
+            "resume_s": max(q["resume_s"] + q["first_collective_s"] for q in vp),
+            "suspend_resume_s": v_sr,
+            "speedup_vs_recreate": recreate / v_sr,
+            "suspendable_bytes_per_group": vp[0]["suspendable_bytes"] / int(n),
+            "freed_fraction": min(q["freed_bytes"] / max(q["suspendable_bytes"], 1) for q in vp),
+            "busbw_gb_per_s": min(r["busbw_bytes_per_s"] for r in vr) / 1e9,
+        }
+    if rows:
+        out["variants"] = rows
     return out
+
+
+def _spawn(
+    world: int, counts: list[int], reps: int, env: dict[str, str], rebuild: bool, phase_gib: float
+) -> list:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "comm")
+        args = (world, counts, reps, port, out, env, rebuild, phase_gib)
+        mp.spawn(_worker, args=args, nprocs=world, join=True)
+        ranks = []
+        for r in range(world):
+            with open(f"{out}.rank{r}.json") as f:
+                ranks.append(json.load(f))
+    return ranks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,23 +316,26 @@ def main(argv: list[str] | None = None) -> int:
     run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
     run_.parser.add_argument("--counts", default="1,4,8")
     run_.parser.add_argument("--reps", type=int, default=5)
+    run_.parser.add_argument(
+        "--variants",
+        default="default",
+        help="comma-separated names of NCCL settings to measure suspend/resume under, the first with the "
+        f"rebuild and re-create comparison too: {', '.join(VARIANTS)}",
+    )
+    run_.parser.add_argument("--phase-gib", type=float, default=4.0, help="train state per rank; 0: skip")
     args = run_.parse(argv)
+    names = [v for v in args.variants.split(",") if v]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        run_.error(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
     if not run_.needs_cuda(2):
         return 2
-    import torch.multiprocessing as mp
-
     counts = [int(c) for c in args.counts.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "comm")
-        world = torch.cuda.device_count()
-        mp.spawn(_worker, args=(world, counts, args.reps, port, out), nprocs=world, join=True)
-        ranks = []
-        for r in range(world):
-            with open(f"{out}.rank{r}.json") as f:
-                ranks.append(json.load(f))
+    world = torch.cuda.device_count()
+    ranks = _spawn(world, counts, args.reps, VARIANTS[names[0]], True, args.phase_gib)
+    variants = {names[0]: ranks}
+    for name in names[1:]:
+        variants[name] = _spawn(world, [max(counts)], max(2, args.reps // 2), VARIANTS[name], False, 0.0)
     rows = []
     nan = float("nan")
     for n, v in ranks[0]["points"].items():
@@ -208,7 +363,38 @@ def main(argv: list[str] | None = None) -> int:
         ("rfreed", "rebuild freed MiB", ".1f"),
         ("rec", "destroy+recreate ms", ".1f"),
     ]
-    print(f"rank 0, {ranks[0]['nccl']}")
+    print(f"rank 0, {ranks[0]['nccl']}, variant {names[0]}")
     print(format_table(rows, cols))
-    run_.finish(summarize(ranks), name_key="benchmark", nccl=ranks[0]["nccl"], ranks=ranks)
+    summary = summarize(ranks, variants)
+    if summary.get("variants"):
+        vrows = [
+            {
+                "v": name,
+                "susp": f["suspend_s"] * 1e3,
+                "res": f["resume_s"] * 1e3,
+                "mib": f["suspendable_bytes_per_group"] / MiB,
+                "bw": f["busbw_gb_per_s"],
+            }
+            for name, f in summary["variants"].items()
+        ]
+        vcols = [
+            ("v", f"variant ({summary['groups']} groups)", "s"),
+            ("susp", "suspend ms", ".1f"),
+            ("res", "resume+1st coll ms", ".1f"),
+            ("mib", "MiB per group", ".1f"),
+            ("bw", "all-reduce busbw GB/s", ".1f"),
+        ]
+        print(format_table(vrows, vcols))
+    if "exposed_comm_s" in summary:
+        ph = ranks[0]["phase"]
+        print(
+            f"PhaseManager, {ph['state_bytes'] / (1 << 30):.1f} GiB state per rank: switch+reload keep "
+            f"{(ph['keep']['rollout_s'] + ph['keep']['train_s']) * 1e3:.0f} ms, suspend "
+            f"{(ph['suspend']['rollout_s'] + ph['suspend']['train_s']) * 1e3:.0f} ms; exposed "
+            f"{summary['exposed_comm_s'] * 1e3:.0f} ms (slowest rank)"
+        )
+    extra = {name: {"env": VARIANTS[name], "ranks": vr} for name, vr in variants.items() if name != names[0]}
+    run_.finish(
+        summary, name_key="benchmark", nccl=ranks[0]["nccl"], variant=names[0], ranks=ranks, variants=extra
+    )
     return 0

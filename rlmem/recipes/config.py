@@ -79,6 +79,9 @@ class GRPOConfig:
             from a copy of the policy in that dtype, refreshed at the start of every rollout (with fp32
             weights, each decode step then reads half the bytes and casts nothing).
         gradient_checkpointing: Hugging Face's activation checkpointing in the train phase.
+        comms: ``"keep"`` or ``"suspend"``: under torchrun on GPUs with offload on, the NCCL communicators
+            give their GPU memory back during rollout (:func:`rlmem.comm.suspend`); FSDP's weights are
+            gathered for the rollout before they go, and the rollout's own reductions use a Gloo group.
         out_dir: where the log, timeline, table and plot go.
         progress: draw a progress bar on a terminal.
         plot: write ``memory.png`` at the end (needs matplotlib).
@@ -125,6 +128,7 @@ class GRPOConfig:
     cuda_graphs: str = "auto"
     rollout_dtype: str | None = None
     gradient_checkpointing: bool = False
+    comms: str = "keep"
     out_dir: str = "runs/grpo"
     progress: bool = True
     plot: bool = True
@@ -160,6 +164,7 @@ class GRPOConfig:
         need("cuda_graphs", self.cuda_graphs in ("auto", "on", "off"), "'auto', 'on' or 'off'")
         need("rollout_dtype", self.rollout_dtype in ROLLOUT_DTYPES, "None, 'bf16' or 'fp16'")
         need("offload", self.offload in (None, True, False), "true, false or null (auto)")
+        need("comms", self.comms in ("keep", "suspend"), "'keep' or 'suspend'")
         mt = self.max_tokens_per_micro_batch
         need("max_tokens_per_micro_batch", mt is None or (is_int(mt) and mt >= 1), "None or an int >= 1")
         need(

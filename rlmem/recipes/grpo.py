@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -26,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,6 +252,14 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         return torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
 
     offload = cfg.offload if cfg.offload is not None else on_cuda
+    if cfg.comms == "suspend" and not (offload and on_cuda and world > 1):
+        raise ValueError(
+            "comms='suspend' releases NCCL communicators during rollout: it needs several ranks (torchrun) "
+            f"on CUDA with offload on; this run has {world} rank(s) on {device.type}, offload "
+            f"{'on' if offload else 'off'}"
+        )
+    # The rollout's own reductions (evaluation) while the NCCL groups are suspended.
+    ctl = dist.new_group(backend="gloo") if cfg.comms == "suspend" else None
     out = Path(cfg.out_dir)
 
     # The prompts: the embedded toy task, or the user's data through the model's tokenizer.
@@ -351,6 +361,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
             grads="discard",
             optimizer="offload",
             engine_sleep_level=2 if cfg.rollout_dtype else 1,
+            comms=cfg.comms,
         ),
     )
     ref_state = None
@@ -374,7 +385,9 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         _config.dump(cfg, out / "config.yaml")
     history: list[dict[str, Any]] = []
-    if start and (out / "log.jsonl").is_file():
+    # Only the lead reads the earlier log: it rewrites that file below, and another rank reading it meanwhile
+    # could see it empty. Decisions every rank must agree on (the final save) count steps, not log rows.
+    if lead and start and (out / "log.jsonl").is_file():
         rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
         history = [r for r in rows if r["step"] < start]
     log = None
@@ -387,6 +400,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         Loggers(parse_loggers(cfg.logger), out, dataclasses.asdict(cfg), resume=bool(start)) if lead else None
     )
     saved_at = start if cfg.resume is not None and start else None
+    completed = start
     updating = False
     interrupted = False
     stop = _Stop(say)  # Ctrl-C finishes the step in flight, then saves; a second one stops at once
@@ -403,6 +417,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
 
             # ---- rollout ------------------------------------------------------------------------
             sync = sampler.sync_weights if sampler is not None else None
+            if cfg.comms == "suspend":  # the weights are gathered while the communicators still work
+                sync = functools.partial(_gather_then, model, world, sync)
             with tl.phase("rollout", step) as ph_roll, pm.rollout(sync_weights=sync):
                 switch_s = (pm.stats().switches.rollout_s or 0.0) if offload else 0.0
                 model.eval()
@@ -437,7 +453,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 eval_reward = None
                 if eval_set is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                     eval_reward = _evaluate(
-                        eval_set, sampler, text_tok, reward_fn, reward_spec, max_new, rank, world
+                        eval_set, sampler, text_tok, reward_fn, reward_spec, max_new, rank, world, ctl
                     )
                 _set_reshard(model, True, world)
                 if data is None:
@@ -512,6 +528,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 "kv_bytes": sampler.kv_bytes,
             }
             history.append(rec)
+            completed = step + 1
             if log is not None:
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
@@ -536,7 +553,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         if loggers is not None:
             loggers.close()
 
-    done = len(history)
+    done = completed
     if cfg.save_every != 0 and done and saved_at != done:
         if interrupted and updating:
             say(f"interrupted during an update: step {done + 1} is lost; no checkpoint written for it")
@@ -638,8 +655,10 @@ def _evaluate(
     max_new: int,
     rank: int,
     world: int,
+    ctl: Any = None,
 ) -> float:
-    """Mean reward of greedy completions of every evaluation prompt (each rank scores its share)."""
+    """Mean reward of greedy completions of every evaluation prompt (each rank scores its share; summed
+    over ``ctl``, a Gloo group, where the NCCL ones are suspended during rollout)."""
     mine = eval_set.examples[rank::world]
     comps = sampler.generate([e.ids for e in mine], max_new_tokens=max_new, temperature=0.0)
     got = score(
@@ -651,7 +670,9 @@ def _evaluate(
         [e.row for e in mine],
     )
     total = torch.tensor([sum(got), len(got)], dtype=torch.float64)
-    if world > 1:
+    if world > 1 and ctl is not None:
+        dist.all_reduce(total, group=ctl)
+    elif world > 1:
         dev = next(sampler.model.parameters()).device
         total = total.to(dev)
         dist.all_reduce(total)
@@ -744,6 +765,20 @@ def _micro_batches(
         if int(t.item()) > len(parts):  # another rank needs more: cut this one's as finely
             parts = token_budget_batches(lengths, budget, padded=True, min_micro_batches=int(t.item()))[0]
     return [mini[torch.tensor(p, dtype=torch.long)] for p in parts if p]
+
+
+def _gather_then(model: nn.Module, world: int, then: Callable[[], Any] | None) -> None:
+    """With the communicators about to be suspended for the rollout: FSDP gathers the weights now (the
+    rollout keeps them gathered), then ``then`` (the engine's weight sync) runs on the full weights."""
+    if world > 1:
+        from torch.distributed.fsdp import FSDPModule
+
+        _set_reshard(model, False, world)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.unshard()
+    if then is not None:
+        then()
 
 
 def _set_reshard(model: nn.Module, reshard: bool, world: int) -> None:

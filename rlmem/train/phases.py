@@ -255,10 +255,12 @@ class PhaseManager:
         t0 = time.perf_counter()
         for e in reversed(self.engines):
             _engines.sleep(e, self.config.engine_sleep_level)
-        if self.config.comms == "suspend":
-            self._switches["comm_resume"] = comm.resume(self.comm_groups)
         assert self.state is not None
         self.state.reload(blocking=False)
+        if self.config.comms == "suspend":
+            # After the reload is queued: NCCL's resume (host work, mapping, barriers) runs while the copy
+            # stream brings the train state back, so a switch sees the longer of the two, not their sum.
+            self._switches["comm_resume"] = comm.resume(self.comm_groups)
         self._reloading = True
         self._switches["prefetch_s"] = time.perf_counter() - t0
 
