@@ -55,11 +55,19 @@ def test_fsdp2_two_gpus_offload_on_and_off_identical(tmp_path):
 
 @pytest.mark.gpus(2)
 def test_fsdp2_two_gpus_comms_suspended_during_rollout_identical(tmp_path):
-    # The NCCL communicators give their memory back during rollout (NCCL's suspend, or the rebuild
-    # fallback where the loaded NCCL has none): FSDP gathers the weights before they go, the evaluation's
-    # reduction runs on Gloo, and training is what it is with them kept.
+    # The NCCL communicators give their memory back during rollout through NCCL's suspend (an NCCL without
+    # it is refused: FSDP2's DTensor reductions reach communicators by name, past the rebuild fallback);
+    # FSDP gathers the weights before they go, and training is what it is with them kept.
+    from rlmem.comm import _nccl
+
     common = ["device=cuda", "steps=3", "prompts_per_step=8", "group_size=4", "kl_coef=0.1", "offload=true"]
     common += ["updates_per_step=2", "micro_batch_size=4", "save_every=0"]
+    if not _nccl.library().has_suspend:  # refused up front, before anything is built
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+        cmd += ["rlmem", "train", *common, "comms=suspend", f"out_dir={tmp_path / 'refused'}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode != 0 and "comms='suspend' needs an NCCL that can suspend" in proc.stderr
+        return
     keep = _torchrun(tmp_path, "keep", *common, "comms=keep")
     susp = _torchrun(tmp_path, "susp", *common, "comms=suspend")
     assert susp["losses"] == keep["losses"] and susp["rewards"] == keep["rewards"]

@@ -295,13 +295,20 @@ def _spawn(
 ) -> list:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm")
-        args = (world, counts, reps, port, out, env, rebuild, phase_gib)
-        mp.spawn(_worker, args=args, nprocs=world, join=True)
+        for attempt in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            try:
+                args = (world, counts, reps, port, out, env, rebuild, phase_gib)
+                mp.spawn(_worker, args=args, nprocs=world)
+                break
+            except mp.ProcessRaisedException as e:
+                # The free port found above can be taken before rank 0 listens on it: try another.
+                if "EADDRINUSE" not in str(e) or attempt == 2:
+                    raise
         ranks = []
         for r in range(world):
             with open(f"{out}.rank{r}.json") as f:

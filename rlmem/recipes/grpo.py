@@ -258,6 +258,18 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
             f"on CUDA with offload on; this run has {world} rank(s) on {device.type}, offload "
             f"{'on' if offload else 'off'}"
         )
+    if cfg.comms == "suspend":
+        from ..comm._suspend import registry
+
+        drv = registry.get_driver()
+        if not drv.can_suspend:
+            # The rebuild fallback gives the group objects new communicators, but FSDP2's DTensor reductions
+            # (gradient clipping) reach communicators by group name from C++, where they are gone.
+            raise ValueError(
+                f"comms='suspend' needs an NCCL that can suspend communicators (>= 2.29.7); this process "
+                f"loaded {drv.describe}. Load a newer libnccl with LD_PRELOAD before torch starts, or use "
+                "comms='keep'"
+            )
     # The rollout's own reductions (evaluation) while the NCCL groups are suspended.
     ctl = dist.new_group(backend="gloo") if cfg.comms == "suspend" else None
     out = Path(cfg.out_dir)
