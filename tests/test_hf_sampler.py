@@ -236,6 +236,35 @@ def test_cuda_graph_decode_is_eager_decode_and_survives_sleep_and_train():
     assert both(graphs) == want and graphs.captures == 4
 
 
+@pytest.mark.cuda
+def test_cuda_graphs_follow_weights_that_move_during_the_prefill():
+    # As FSDP2 does: the first forward of a rollout gathers the weights into new storage. Graphs captured
+    # over last rollout's storage must not replay over this one's.
+    model = tiny("cuda")
+    kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
+    want = HFSampler(model, cuda_graphs="off", **kw).generate(PROMPTS, max_new_tokens=10, temperature=0)
+    graphs = HFSampler(model, cuda_graphs="on", **kw)
+    keep = []  # the old storage stays allocated (and unchanged): a stale graph would read it silently
+
+    def move(module, args):
+        if getattr(module, "moved", False):
+            return
+        module.moved = True
+        for p in module.parameters():
+            keep.append(p.data)
+            p.data = p.data.clone()
+
+    hook = model.register_forward_pre_hook(move)
+    for _ in range(3):
+        model.moved = False
+        with torch.no_grad():
+            for old in keep:
+                old.zero_()  # stale reads would now see zeros
+        assert graphs.generate(PROMPTS, max_new_tokens=10, temperature=0) == want
+    hook.remove()
+    assert graphs.captures == 6  # two buckets, captured again each time the weights moved
+
+
 def test_rollout_copy_in_its_own_dtype_and_region(device):
     model = tiny(device)
     kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)

@@ -372,7 +372,6 @@ class HFSampler:
         ids, mask = ids.to(device), mask.to(device)
         pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
         full = [(layer.keys, layer.values) for layer in self.cache.layers]
-        d = self._decoder(rows)
         try:
             # A last, partial batch uses the first rows of the cache: n to prefill, its bucket to decode.
             self._use_rows(full, n)
@@ -381,6 +380,9 @@ class HFSampler:
             done = torch.zeros(n, dtype=torch.bool, device=device)
             steps = []
             self._use_rows(full, rows)
+            # Only now: the prefill may have moved the weights the graphs read (FSDP2 gathers them into
+            # new storage on its first forward of a rollout), and the fingerprint must see where they are.
+            d = self._decoder(rows)
             d.start(mask[:, :width], pos[:, -1], width)
             for t in range(max_new_tokens):
                 nxt = _sample(logits[:n], temperature, top_p, gen)
