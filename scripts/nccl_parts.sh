@@ -5,6 +5,7 @@
 # LD_PRELOAD, set before torch starts (scripts/gpu_check.sh does it when the library is there).
 #
 #   here:            scripts/nccl_parts.sh prepare [VERSION]      # .nccl/part.0 ... part.N and libnccl.sha256
+#   or:              scripts/nccl_parts.sh prepare-file LIB       # a library built by scripts/nccl_build.sh
 #   GPU, per part:   scripts/nccl_parts.sh receive               # carry ".nccl/part.K" (and .nccl/libnccl.sha256)
 #   GPU, at the end: scripts/nccl_parts.sh assemble              # /tmp/rlmem-nccl/libnccl.so.2, checked
 #   GPU:             LD_PRELOAD=/tmp/rlmem-nccl/libnccl.so.2 python3 -c 'import torch; print(torch.cuda.nccl.version())'
@@ -25,6 +26,14 @@ case "${1:-}" in
     rm -rf "$work"
     ls -l .nccl
     ;;
+  prepare-file)
+    # A library built here (scripts/nccl_build.sh) instead of the wheel's.
+    lib=${2:?usage: $0 prepare-file PATH/libnccl.so.2}
+    rm -rf .nccl && mkdir -p .nccl
+    sha256sum "$lib" | cut -d' ' -f1 > .nccl/libnccl.sha256
+    xz -T0 -6 -c "$lib" | split -b "$PART_BYTES" -d -a 1 - .nccl/part.
+    ls -l .nccl
+    ;;
   receive)
     mkdir -p "$DEST"
     for p in .nccl/part.* .nccl/libnccl.sha256; do
@@ -42,7 +51,7 @@ case "${1:-}" in
     LD_PRELOAD="$DEST/libnccl.so.2" python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())'
     ;;
   *)
-    echo "usage: $0 prepare [VERSION] | receive | assemble" >&2
+    echo "usage: $0 prepare [VERSION] | prepare-file PATH | receive | assemble" >&2
     exit 2
     ;;
 esac
