@@ -263,6 +263,7 @@ def test_cuda_graphs_follow_weights_that_move_during_the_prefill():
         assert graphs.generate(PROMPTS, max_new_tokens=10, temperature=0) == want
     hook.remove()
     assert graphs.captures == 6  # two buckets, captured again each time the weights moved
+    assert graphs.graph_pool_bytes > 0  # the pool of the graphs alive now, counted for the timeline
 
 
 def test_rollout_copy_in_its_own_dtype_and_region(device):

@@ -136,6 +136,12 @@ def test_options_move_the_estimate_the_way_they_should() -> None:
     bigger = estimate_memory("qwen2-2.5b", dataclasses.replace(w, micro_batch_tokens=16384))
     assert bigger.train_peak_bytes > none.train_peak_bytes
     assert bigger.points["optimizer step"] == none.points["optimizer step"]
+    # CUDA graphs' pool: held in rollout and, still reserved, through the train phase
+    graphs = estimate_memory("qwen2-2.5b", dataclasses.replace(w, cuda_graphs=True))
+    pool = graphs.categories["CUDA graph pool (rollout)"]
+    assert pool > 0 and none.categories["CUDA graph pool (rollout)"] == 0
+    assert graphs.train_peak_bytes - none.train_peak_bytes == pool
+    assert graphs.rollout_peak_bytes > none.rollout_peak_bytes
 
 
 def test_precision_optimizer_sharding_and_accumulation() -> None:
@@ -168,6 +174,7 @@ def test_precision_optimizer_sharding_and_accumulation() -> None:
         ({"micro_batch_tokens": 10, "rollout_batch": 4}, "rollout_batch"),
         ({"micro_batch_tokens": 10, "dp_shards": 0}, "dp_shards"),
         ({"micro_batch_tokens": 10, "rollout_engine": "vllm"}, "rollout_engine"),
+        ({"micro_batch_tokens": 10, "cuda_graphs": "yes"}, "cuda_graphs"),
     ],
 )
 def test_workload_errors_name_the_field(kwargs: dict, field: str) -> None:

@@ -17,6 +17,9 @@ each in fresh processes, with a 256 MiB all-reduce's bus bandwidth beside it (wh
 G GiB per rank (fp32 parameters + Adam), a rollout/train cycle with ``comms="keep"`` and with
 ``comms="suspend"`` over the 8 groups, until the groups' first collective in train has run; the difference
 is ``exposed_comm_s`` (target < 0.2 s).
+``--libs NAME=PATH,...`` adds a variant per libnccl, loaded through ``LD_PRELOAD`` in the spawned ranks
+(``NCCL_MEM_KEEP_BACKUP=1`` set for them, which only rlmem's patched NCCL reads), with the PhaseManager part
+too: stock and patched builds of one NCCL tag side by side.
 """
 
 from __future__ import annotations
@@ -285,6 +288,8 @@ def summarize(
             "freed_fraction": min(q["freed_bytes"] / max(q["suspendable_bytes"], 1) for q in vp),
             "busbw_gb_per_s": min(r["busbw_bytes_per_s"] for r in vr) / 1e9,
         }
+        if all("phase" in r for r in vr):
+            rows[name]["exposed_comm_s"] = max(r["phase"]["exposed_comm_s"] for r in vr)
     if rows:
         out["variants"] = rows
     return out
@@ -295,6 +300,11 @@ def _spawn(
 ) -> list:
     import torch.multiprocessing as mp
 
+    # LD_PRELOAD must be in a rank's environment when it starts: spawned ranks inherit this process's.
+    preload = env.get("LD_PRELOAD")
+    saved = os.environ.get("LD_PRELOAD")
+    if preload is not None:
+        os.environ["LD_PRELOAD"] = preload
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm")
         for attempt in range(3):
@@ -313,6 +323,11 @@ def _spawn(
         for r in range(world):
             with open(f"{out}.rank{r}.json") as f:
                 ranks.append(json.load(f))
+    if preload is not None:
+        if saved is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = saved
     return ranks
 
 
@@ -330,11 +345,20 @@ def main(argv: list[str] | None = None) -> int:
         f"rebuild and re-create comparison too: {', '.join(VARIANTS)}",
     )
     run_.parser.add_argument("--phase-gib", type=float, default=4.0, help="train state per rank; 0: skip")
+    run_.parser.add_argument(
+        "--libs", default="", help="NAME=PATH,...: a variant per libnccl (LD_PRELOAD in the ranks)"
+    )
     args = run_.parse(argv)
     names = [v for v in args.variants.split(",") if v]
     bad = [v for v in names if v not in VARIANTS]
     if bad or not names:
         run_.error(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
+    libs: dict[str, dict[str, str]] = {}
+    for item in (x for x in args.libs.split(",") if x):
+        lib_name, sep, path = item.partition("=")
+        if not sep or not lib_name or not os.path.isfile(path):
+            run_.error(f"--libs: {item!r} is not NAME=PATH of an existing libnccl")
+        libs[f"lib:{lib_name}"] = {"LD_PRELOAD": path, "NCCL_MEM_KEEP_BACKUP": "1"}
     if not run_.needs_cuda(2):
         return 2
     counts = [int(c) for c in args.counts.split(",")]
@@ -343,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = {names[0]: ranks}
     for name in names[1:]:
         variants[name] = _spawn(world, [max(counts)], max(2, args.reps // 2), VARIANTS[name], False, 0.0)
+    for name, env in libs.items():
+        variants[name] = _spawn(world, [max(counts)], max(2, args.reps // 2), env, False, args.phase_gib)
     rows = []
     nan = float("nan")
     for n, v in ranks[0]["points"].items():
@@ -400,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{(ph['suspend']['rollout_s'] + ph['suspend']['train_s']) * 1e3:.0f} ms; exposed "
             f"{summary['exposed_comm_s'] * 1e3:.0f} ms (slowest rank)"
         )
-    extra = {name: {"env": VARIANTS[name], "ranks": vr} for name, vr in variants.items() if name != names[0]}
+    envs = {**VARIANTS, **libs}
+    extra = {name: {"env": envs[name], "ranks": vr} for name, vr in variants.items() if name != names[0]}
     run_.finish(
         summary, name_key="benchmark", nccl=ranks[0]["nccl"], variant=names[0], ranks=ranks, variants=extra
     )

@@ -160,6 +160,7 @@ class HFSampler:
         self.captures = 0  # CUDA graphs captured so far (one per bucket, again only if the weights moved)
         self._decoders: dict[int, _Decode] = {}  # by rows; with CUDA graphs, each holds its graph
         self._pool: Any = None
+        self.graph_pool_bytes = 0  # device memory the captured graphs' private pool holds
         self._fingerprint: tuple[int, ...] = ()
 
     @property
@@ -258,6 +259,7 @@ class HFSampler:
             if fp != self._fingerprint:  # the weights moved (adopted or reloaded elsewhere): graphs are stale
                 self._decoders.clear()
                 self._pool = None
+                self.graph_pool_bytes = 0  # PyTorch frees the old pool once its graphs are gone
                 self._fingerprint = fp
         d = self._decoders.get(size)
         if d is None:
@@ -289,8 +291,12 @@ class HFSampler:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        # The pool's segments are reserved for the graphs alone and stay reserved while they live (through
+        # sleep and the train phase too): what capturing adds to the reserved bytes is the pool's growth.
+        reserved = torch.cuda.memory_reserved(self.region.device)
         with torch.cuda.graph(graph, pool=self._pool):
             d.out = self._forward(d.ids, d.mask, d.pos)
+        self.graph_pool_bytes += max(0, torch.cuda.memory_reserved(self.region.device) - reserved)
         d.graph = graph
         self.captures += 1
 

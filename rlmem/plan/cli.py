@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--engine", default="shared", choices=ENGINES, help="rollout on the training weights or not"
     )
+    p.add_argument(
+        "--cuda-graphs", action="store_true", help="the rollout decodes with CUDA graphs (their memory pool)"
+    )
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument(
         "--offload-modules", default="", help=f"comma-separated of {', '.join(DENSE_NAMES)}, or 'all'"
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_len=args.prompt_len,
             kv_budget_bytes=parse_bytes(args.kv_budget, "--kv-budget") if args.kv_budget else 0,
             rollout_engine=args.engine,
+            cuda_graphs=args.cuda_graphs,
         )
         o = PlanOptions(
             checkpoint_every=args.checkpoint_every, offload_modules=mods, offload_states=args.offload_states

@@ -200,6 +200,7 @@ def estimate_memory(
 
     kv = w.kv_budget_bytes or w.rollout_batch * w.rollout_len * shape.kv_bytes_per_token(b)
     roll_pts: dict[str, int] = {}
+    graph_pool = 0
     if kv or w.rollout_batch:
         # Gradients are gone during rollout either way (zero_grad(set_to_none=True), or rlmem's default
         # "discard"); offloading gives back the optimizer states, and the training weights when the engine
@@ -227,8 +228,17 @@ def estimate_memory(
         )
         decode = rep + nb * M * (1 + b) + nb * 3 * b * i
         sampling = nb * V * (b + 4 * 4 + 8)  # logits, fp32 copy, softmax, sorted values and int64 indices
-        base = weights + keep + kv
+        if w.cuda_graphs:
+            # One pool for every power-of-two bucket up to the batch: the largest bucket's decode temporaries,
+            # and each bucket's logits kept as its graph's output (1 + 1/2 + 1/4 ... < 2 of the largest).
+            graph_pool = decode + 2 * nb * V * b
+        base = weights + keep + kv + graph_pool
         roll_pts = {"prefill": base + prefill, "decode": base + decode, "sampling": base + sampling}
+        if w.cuda_graphs:
+            roll_pts["decode"] = base  # the replay's temporaries are the pool's own
+    if graph_pool:  # the graphs' pool stays reserved through the train phase
+        points = {k: v + graph_pool for k, v in points.items()}
+        train_peak = points[train_at]
     roll_at = max(roll_pts, key=lambda k: roll_pts[k]) if roll_pts else ""
     roll_peak = roll_pts.get(roll_at, 0)
     groups = (1 if dp > 1 else 0) if w.comm_groups == -1 else w.comm_groups
@@ -244,6 +254,7 @@ def estimate_memory(
         "activations offloaded to host": off_bytes,
         "logits + loss (backward peak)": 12 * V * (w.logits_tokens or T),
         "KV cache": kv,
+        "CUDA graph pool (rollout)": graph_pool,
         "NCCL (rough)": nccl,
         "CUDA context": w.cuda_context_bytes,
     }

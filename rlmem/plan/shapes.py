@@ -243,6 +243,9 @@ class Workload:
         rollout_engine: ``shared`` (rollout runs on the training weights, as rlmem's HF sampler) or
             ``separate`` (an engine such as vLLM or SGLang with its own copy of the weights).
         cuda_context_bytes: the CUDA context and libraries outside PyTorch's allocator.
+        cuda_graphs: the rollout decodes with CUDA graphs (as rlmem's HF sampler does on a GPU): their
+            private memory pool holds a decode step's temporaries and every bucket's logits, in rollout and,
+            since it stays reserved while the graphs live, in training too.
 
     Raises:
         ValueError: a field out of range; the message names it.
@@ -263,8 +266,11 @@ class Workload:
     kv_budget_bytes: int = 0
     rollout_engine: str = "shared"
     cuda_context_bytes: int = 600 << 20
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"Workload.cuda_graphs must be True or False; got {self.cuda_graphs!r}")
         _positive("Workload", "micro_batch_tokens", self.micro_batch_tokens)
         for f in ("seq_len", "train_tokens", "logits_tokens", "rollout_batch", "rollout_len", "prompt_len"):
             _positive("Workload", f, getattr(self, f), zero=True)

@@ -68,6 +68,7 @@ def _track(
             ),
         )
     tl.track("kv_cache", lambda: sampler().region.resident_bytes if sampler() is not None else 0)
+    tl.track("cuda_graphs", lambda: sampler().graph_pool_bytes if sampler() is not None else 0)
 
 
 # -- output -------------------------------------------------------------------------------------------
