@@ -1,5 +1,6 @@
 """Benchmark of activation offloading and checkpointing: step time and peak memory of one training step
-(forward + backward) on docs/design.md's 2.47B Qwen2-shaped model, a wider one (hidden 4096) and a small MoE.
+(forward + backward) on docs/design.md's 2.47B Qwen2-shaped model, a wider one (hidden 4096), a small MoE and
+a small GQA model (12 query heads over 2 KV heads).
 
 A step is the decoder body over ``bs x seq`` tokens plus the LM head on the last 256 tokens (so the
 vocabulary does not dominate), bf16 weights, gradients set to None before each step: the peak is over the
@@ -17,7 +18,13 @@ rlmem configuration with <= 5% step overhead over ``D2H x (forward + 5% of the s
 ``best_peak_cut_at_5pct``; ``ckpt_offload_peak_vs_ckpt`` and ``ckpt_offload_overhead_vs_ckpt`` (rlmem's
 checkpointing + offload against checkpointing alone); ``full_offload_vs_floor`` at bs 2 x 2048: ``rlmem:all``
 over ``max(t_fwd, A / D2H) + max(t_bwd, A / H2D)`` with A the bytes it offloaded, and
-``speedup_vs_save_on_cpu_full``.
+``speedup_vs_save_on_cpu_full``. ``auto_overhead_max`` and ``auto_hidden_min`` over every model, at its
+largest point: ``rlmem:auto``'s step over ``none``'s, minus 1, and the bytes it offloaded over what the link
+could move under ``none``'s forward pass (``D2H x forward``); per model in ``auto_by_model``.
+
+Long context (``--long``, default ``1x32768`` of the 2.47B model): only ``ckpt`` and ``rlmem:ckpt+off``, where
+the checkpointed layer inputs outweigh the gradients; ``ckpt_offload_peak_vs_ckpt`` and its overhead come from
+that point when it ran (``ckpt_offload_point`` names it), else from the largest grid point.
 """
 
 from __future__ import annotations
@@ -77,12 +84,25 @@ MODELS: dict[str, dict[str, Any]] = {
             "max_position_embeddings": 8192,
         },
     },
+    "qwen2-gqa-small": {
+        "kind": "qwen2",
+        "cfg": {
+            **QWEN2["qwen2-2.5b"],
+            "hidden_size": 1536,
+            "num_hidden_layers": 16,
+            "intermediate_size": 8960,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+        },
+    },
 }
+AUTO_TARGETS = {"auto_overhead_max": ("<=", 0.05), "auto_hidden_min": (">=", 0.7)}
 TARGETS = {
     "hidden_offload_efficiency": (">=", 0.8),
     "ckpt_offload_peak_vs_ckpt": ("<", 0.85),
     "ckpt_offload_overhead_vs_ckpt": ("<=", 0.05),
     "full_offload_vs_floor": ("<=", 1.2),
+    **AUTO_TARGETS,
 }
 
 
@@ -262,12 +282,48 @@ def _contenders(model_name: str, largest: bool, full: bool) -> list[str]:
     return [*names, "save_on_cpu"]
 
 
-def summarize(res: dict[str, Any], link: dict[str, float]) -> dict[str, Any]:
+def _size(key: str) -> tuple[int, int]:
+    b, s = key.split("x")
+    return int(b) * int(s), int(s)
+
+
+def auto_figures(res: dict[str, Any], links: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """``rlmem:auto`` at each model's largest grid point: measured overhead and the share of the link's
+    forward-pass capacity it used; the worst of each over the models."""
+    by: dict[str, dict[str, float]] = {}
+    for m, pts in res.items():
+        grid = [k for k in pts if not pts[k].get("long")]
+        if not grid:
+            continue
+        big = pts[max(grid, key=_size)]
+        none, auto = big.get("none", {}), big.get("rlmem:auto", {})
+        if "step_s" not in none or "step_s" not in auto:
+            continue
+        cap = links[m]["d2h_bytes_per_s"] * none["forward_s"]
+        by[m] = {
+            "overhead": auto["step_s"] / none["step_s"] - 1,
+            "hidden": auto.get("offloaded_bytes", 0) / cap,
+            "offloaded_bytes": auto.get("offloaded_bytes", 0),
+            "link_forward_bytes": cap,
+        }
+    if not by:
+        return {}
+    return {
+        "auto_overhead_max": max(v["overhead"] for v in by.values()),
+        "auto_hidden_min": min(v["hidden"] for v in by.values()),
+        "auto_by_model": by,
+    }
+
+
+def summarize(
+    res: dict[str, Any], link: dict[str, float], links: dict[str, dict[str, float]] | None = None
+) -> dict[str, Any]:
     main = res.get("qwen2-2.5b")
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = auto_figures(res, links or dict.fromkeys(res, link))
     if not main:
         return out
-    pts = sorted(main, key=lambda k: tuple(int(x) for x in k.split("x")))
+    long = [k for k in main if main[k].get("long")]
+    pts = sorted((k for k in main if k not in long), key=_size)
     big = main[pts[-1]]
     none = big["none"]
     d2h = link["d2h_bytes_per_s"]
@@ -285,10 +341,15 @@ def summarize(res: dict[str, Any], link: dict[str, float]) -> dict[str, Any]:
         out["hidden_offload_efficiency"] = best[1] / bound
         out["best_peak_cut_at_5pct"] = best[1] / none["peak_bytes"]
     out["link_bound_bytes"] = int(bound)
-    ck, cko = big.get("ckpt", {}), big.get("rlmem:ckpt+off", {})
-    if "peak_bytes" in ck and "peak_bytes" in cko:
-        out["ckpt_offload_peak_vs_ckpt"] = cko["peak_bytes"] / ck["peak_bytes"]
-        out["ckpt_offload_overhead_vs_ckpt"] = cko["step_s"] / ck["step_s"] - 1
+    # Checkpointing + offload where it is for: the long-context point when it ran (its checkpointed inputs
+    # outweigh the gradients); the grid's largest point keeps its own figures beside.
+    where = max(long, key=_size) if long else pts[-1]
+    for key, prefix in ((pts[-1], "grid_"), (where, "")):
+        ck, cko = main[key].get("ckpt", {}), main[key].get("rlmem:ckpt+off", {})
+        if "peak_bytes" in ck and "peak_bytes" in cko:
+            out[f"{prefix}ckpt_offload_peak_vs_ckpt"] = cko["peak_bytes"] / ck["peak_bytes"]
+            out[f"{prefix}ckpt_offload_overhead_vs_ckpt"] = cko["step_s"] / ck["step_s"] - 1
+    out["ckpt_offload_point"] = where
     mid = main.get("2x2048")
     if mid and "offloaded_bytes" in mid.get("rlmem:all", {}):
         n, a = mid["none"], mid["rlmem:all"]
@@ -312,10 +373,12 @@ def _points(text: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
     p = run_.parser
-    p.add_argument("--models", default="qwen2-2.5b,qwen2-wide,qwen2-moe-small")
+    p.add_argument("--models", default="qwen2-2.5b,qwen2-wide,qwen2-moe-small,qwen2-gqa-small")
     p.add_argument("--grid", default="1x2048,2x2048,2x4096,4x4096", help="bs x seq points of qwen2-2.5b")
     p.add_argument("--grid-wide", default="2x2048,4x4096")
     p.add_argument("--grid-moe", default="2x2048")
+    p.add_argument("--grid-gqa", default="2x4096")
+    p.add_argument("--long", default="1x32768", help="long-context points of qwen2-2.5b (ckpt and ckpt+off)")
     p.add_argument("--full-at", default="2x2048", help="points that also run every single name")
     p.add_argument("--only", default="", help="run only these contenders (comma-separated), for diagnosis")
     p.add_argument("--steps", type=int, default=3)
@@ -327,7 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     d2h, h2d = link_rates(device)
     link = {"d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d}
     print(f"link: D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s", flush=True)
-    grids = {"qwen2-2.5b": args.grid, "qwen2-wide": args.grid_wide, "qwen2-moe-small": args.grid_moe}
+    grids = {
+        "qwen2-2.5b": args.grid,
+        "qwen2-wide": args.grid_wide,
+        "qwen2-moe-small": args.grid_moe,
+        "qwen2-gqa-small": args.grid_gqa,
+    }
+    longs = set(args.long.split(",")) if args.long else set()
     full = set(args.full_at.split(","))
     res: dict[str, Any] = {}
     weights_bytes: dict[str, int] = {}
@@ -336,12 +405,16 @@ def main(argv: list[str] | None = None) -> int:
         model = _build(mname, device)
         weights = torch.cuda.memory_allocated(device)
         pts = _points(grids[mname])
+        long_pts = _points(",".join(sorted(longs))) if mname == "qwen2-2.5b" and longs else []
         res[mname] = {}
-        for k, (bs, seq) in enumerate(pts):
+        for k, (bs, seq) in enumerate(pts + long_pts):
             key = f"{bs}x{seq}"
-            res[mname][key] = {}
+            is_long = k >= len(pts)
+            res[mname][key] = {"long": True} if is_long else {}
             only = [c for c in args.only.split(",") if c]
-            for c in only or _contenders(mname, k == len(pts) - 1, key in full):
+            last = k == len(pts) - 1
+            todo = ["ckpt", "rlmem:ckpt+off"] if is_long else _contenders(mname, last, key in full)
+            for c in only or todo:
                 r = _measure(model, c, bs, seq, device, args.steps)
                 res[mname][key][c] = r
                 none = res[mname][key].get("none", {})
@@ -391,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                 res[m] = r
                 weights_bytes[m] = old.get("weights_bytes", {}).get(m)
                 model_links[m] = old.get("model_links", {}).get(m, old["link"])
-    summary = summarize(res, model_links.get("qwen2-2.5b", link))
+    summary = summarize(res, model_links.get("qwen2-2.5b", link), model_links)
     cols = [
         ("model", "model", "s"),
         ("point", "bs x seq", "s"),

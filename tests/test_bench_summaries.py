@@ -1,0 +1,65 @@
+"""Benchmark summaries: the figures targets are checked against, formed from rows (synthetic here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlmem.benchmarks import activations, comm
+
+GB = 1e9
+
+
+def _row(step, fwd=None, peak=100, off=0):
+    r = {"step_s": step, "peak_bytes": peak, "offloaded_bytes": off}
+    if fwd is not None:
+        r["forward_s"] = fwd
+    return r
+
+
+def test_activations_summary_takes_auto_from_every_model_and_ckpt_from_the_long_point():
+    link = {"d2h_bytes_per_s": 50 * GB, "h2d_bytes_per_s": 50 * GB}
+    res = {
+        "qwen2-2.5b": {
+            "2x2048": {"none": _row(1.0, 0.4, 100), "rlmem:auto": _row(1.02, off=int(15 * GB))},
+            "4x4096": {
+                "none": _row(2.0, 0.8, 200),
+                "rlmem:auto": _row(2.04, off=int(36 * GB)),
+                "ckpt": _row(2.5, peak=120),
+                "rlmem:ckpt+off": _row(2.55, peak=121),
+            },
+            "1x32768": {"long": True, "ckpt": _row(3.0, peak=200), "rlmem:ckpt+off": _row(3.1, peak=150)},
+        },
+        "qwen2-gqa-small": {"2x4096": {"none": _row(0.5, 0.2), "rlmem:auto": _row(0.55, off=int(5 * GB))}},
+    }
+    s = activations.summarize(res, link)
+    # at each model's largest grid point (the long point is not in the grid)
+    assert s["auto_by_model"]["qwen2-2.5b"]["overhead"] == pytest.approx(0.02)
+    assert s["auto_by_model"]["qwen2-2.5b"]["hidden"] == pytest.approx(36 / 40)
+    assert s["auto_by_model"]["qwen2-gqa-small"]["hidden"] == pytest.approx(5 / 10)
+    assert s["auto_overhead_max"] == pytest.approx(0.1) and s["auto_hidden_min"] == pytest.approx(0.5)
+    assert s["ckpt_offload_point"] == "1x32768"
+    assert s["ckpt_offload_peak_vs_ckpt"] == pytest.approx(0.75)
+    assert s["grid_ckpt_offload_peak_vs_ckpt"] == pytest.approx(121 / 120)
+
+
+def _rank(sr, freed, busbw, exposed=None):
+    point = {"suspend_s": sr / 2, "resume_s": sr / 2, "first_collective_s": 0.0}
+    point.update(suspendable_bytes=800, freed_bytes=freed)
+    point.update(rebuild_suspend_s=1.0, rebuild_resume_s=0.5, rebuild_first_collective_s=0.5)
+    point.update(rebuild_freed_bytes=800, destroy_s=1.0, recreate_s=1.0)
+    r = {"can_suspend": True, "busbw_bytes_per_s": busbw, "points": {"8": point}}
+    if exposed is not None:
+        r["phase"] = {"exposed_comm_s": exposed, "state_bytes": 1}
+    return r
+
+
+def test_comm_summary_slowest_rank_variants_and_exposure():
+    ranks = [_rank(3.0, 800, 280 * GB, 2.9), _rank(3.6, 792, 285 * GB, 3.5)]
+    lean = [_rank(0.6, 800, 80 * GB), _rank(0.5, 800, 82 * GB)]
+    s = comm.summarize(ranks, {"default": ranks, "lean": lean})
+    assert s["suspend_resume_s"] == pytest.approx(3.6) and s["recreate_s"] == pytest.approx(2.0)
+    assert s["speedup_vs_recreate"] == pytest.approx(2.0 / 3.6)
+    assert s["freed_fraction"] == pytest.approx(0.99) and s["exposed_comm_s"] == pytest.approx(3.5)
+    v = s["variants"]["lean"]
+    assert v["suspend_resume_s"] == pytest.approx(0.6) and v["busbw_gb_per_s"] == pytest.approx(80)
+    assert v["speedup_vs_recreate"] == pytest.approx(2.0 / 0.6) and v["suspendable_bytes_per_group"] == 100
