@@ -4,6 +4,9 @@
 # Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|train-real|comm|comm-debug|grpo-dist] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
+# comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
+# settings); comm-debug writes NCCL's INIT/ALLOC log of one group per rank; grpo-dist runs the two-GPU recipe
+# tests and the 2.7B example under torchrun on every GPU with comms=keep and comms=suspend (args go to rlmem train).
 # bench-grpo passes its args to rlmem bench grpo_colocated (e.g. --parts big-offload --merge);
 # bench-act passes its args to rlmem bench activations (e.g. --models qwen2-wide).
 # bench-megatron passes its args to rlmem bench megatron (e.g. --parts switch).
