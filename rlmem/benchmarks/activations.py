@@ -396,7 +396,6 @@ def main(argv: list[str] | None = None) -> int:
         "qwen2-moe-small": args.grid_moe,
         "qwen2-gqa-small": args.grid_gqa,
     }
-    longs = set(args.long.split(",")) if args.long else set()
     full = set(args.full_at.split(","))
     res: dict[str, Any] = {}
     weights_bytes: dict[str, int] = {}
@@ -405,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         model = _build(mname, device)
         weights = torch.cuda.memory_allocated(device)
         pts = _points(grids[mname])
-        long_pts = _points(",".join(sorted(longs))) if mname == "qwen2-2.5b" and longs else []
+        long_pts = _points(args.long) if mname == "qwen2-2.5b" and args.long else []
         res[mname] = {}
         for k, (bs, seq) in enumerate(pts + long_pts):
             key = f"{bs}x{seq}"

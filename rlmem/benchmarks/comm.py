@@ -51,12 +51,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "ctas4": {"NCCL_MIN_CTAS": "1", "NCCL_MAX_CTAS": "4"},
     "p2p0": {"NCCL_P2P_DISABLE": "1"},
     "connect0": {"NCCL_RUNTIME_CONNECT": "0"},
-    "lean": {
-        "NCCL_BUFFSIZE": str(1 << 20),
-        "NCCL_MIN_CTAS": "1",
-        "NCCL_MAX_CTAS": "4",
-    },
 }
+VARIANTS["lean"] = {**VARIANTS["buff1m"], **VARIANTS["ctas4"]}
 
 
 def _groups(n: int, world: int) -> list[Any]:
@@ -72,12 +68,13 @@ def _groups(n: int, world: int) -> list[Any]:
 
 def _busbw(world: int, nbytes: int = 256 << 20) -> float:
     """All-reduce bus bandwidth over the world group, bytes/s (NCCL's definition: 2(n-1)/n of the size per
-    second), best of 5."""
+    second), best of 5 after one warm-up."""
     import torch.distributed as dist
 
     t = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dist.all_reduce(t)
     best = float("inf")
-    for _ in range(6):
+    for _ in range(5):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         dist.all_reduce(t)
@@ -297,14 +294,28 @@ def summarize(
 
 def _spawn(
     world: int, counts: list[int], reps: int, env: dict[str, str], rebuild: bool, phase_gib: float
-) -> list:
-    import torch.multiprocessing as mp
-
-    # LD_PRELOAD must be in a rank's environment when it starts: spawned ranks inherit this process's.
+) -> list[dict[str, Any]]:
+    """The ranks' results of one spawn of ``_worker`` per GPU, under ``env`` (an ``LD_PRELOAD`` in it set
+    before the ranks start, which inherit this process's environment, and restored after)."""
     preload = env.get("LD_PRELOAD")
     saved = os.environ.get("LD_PRELOAD")
     if preload is not None:
         os.environ["LD_PRELOAD"] = preload
+    try:
+        return _spawn_ranks(world, counts, reps, env, rebuild, phase_gib)
+    finally:
+        if preload is not None:
+            if saved is None:
+                os.environ.pop("LD_PRELOAD", None)
+            else:
+                os.environ["LD_PRELOAD"] = saved
+
+
+def _spawn_ranks(
+    world: int, counts: list[int], reps: int, env: dict[str, str], rebuild: bool, phase_gib: float
+) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm")
         for attempt in range(3):
@@ -323,11 +334,6 @@ def _spawn(
         for r in range(world):
             with open(f"{out}.rank{r}.json") as f:
                 ranks.append(json.load(f))
-    if preload is not None:
-        if saved is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = saved
     return ranks
 
 

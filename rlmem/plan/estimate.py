@@ -230,12 +230,12 @@ def estimate_memory(
         sampling = nb * V * (b + 4 * 4 + 8)  # logits, fp32 copy, softmax, sorted values and int64 indices
         if w.cuda_graphs:
             # One pool for every power-of-two bucket up to the batch: the largest bucket's decode temporaries,
-            # and each bucket's logits kept as its graph's output (1 + 1/2 + 1/4 ... < 2 of the largest).
+            # and each bucket's logits kept as its graph's output (1 + 1/2 + 1/4 ... < 2 of the largest). A
+            # replay's temporaries are the pool's own.
             graph_pool = decode + 2 * nb * V * b
+            decode = 0
         base = weights + keep + kv + graph_pool
         roll_pts = {"prefill": base + prefill, "decode": base + decode, "sampling": base + sampling}
-        if w.cuda_graphs:
-            roll_pts["decode"] = base  # the replay's temporaries are the pool's own
     if graph_pool:  # the graphs' pool stays reserved through the train phase
         points = {k: v + graph_pool for k, v in points.items()}
         train_peak = points[train_at]

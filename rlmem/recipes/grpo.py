@@ -252,13 +252,13 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
         return torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
 
     offload = cfg.offload if cfg.offload is not None else on_cuda
-    if cfg.comms == "suspend" and not (offload and on_cuda and world > 1):
-        raise ValueError(
-            "comms='suspend' releases NCCL communicators during rollout: it needs several ranks (torchrun) "
-            f"on CUDA with offload on; this run has {world} rank(s) on {device.type}, offload "
-            f"{'on' if offload else 'off'}"
-        )
     if cfg.comms == "suspend":
+        if not (offload and on_cuda and world > 1):
+            raise ValueError(
+                "comms='suspend' releases NCCL communicators during rollout: it needs several ranks "
+                f"(torchrun) on CUDA with offload on; this run has {world} rank(s) on {device.type}, offload "
+                f"{'on' if offload else 'off'}"
+            )
         from ..comm._suspend import registry
 
         drv = registry.get_driver()
