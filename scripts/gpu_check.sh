@@ -106,6 +106,8 @@ fi
 if [[ $what == all || $what == bench || $what == bench-rollout ]]; then
   extra=()
   [[ $what == bench-rollout ]] && extra=("$@")
+  # --merge keeps batch sizes measured in earlier calls
+  [[ -f bench/results/rollout-$name.json ]] && cp "bench/results/rollout-$name.json" "$OUT/"
   python3 -m rlmem bench rollout --machine "$name" --json "$OUT/rollout-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_rollout.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1

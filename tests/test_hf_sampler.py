@@ -199,6 +199,28 @@ def test_cuda_graphs_config_is_checked():
         HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, cuda_graphs="on")
     s = HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
     assert not s.cuda_graphs  # auto: off on the host
+    assert s.kv_block == 64  # max_len / 8 rounded up to a multiple of 64: one bucket, the whole cache
+    assert s.capture() == 0.0 and s.captures == 0  # nothing to capture without graphs
+    for bad in (0, 12, 2.5):
+        with pytest.raises(ValueError, match="kv_block must be a positive multiple of 8"):
+            HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, kv_block=bad)
+
+
+def test_decode_attends_over_its_length_bucket_only(device):
+    # A step reads the cache columns of its length bucket, not the whole cache; tokens stay generate()'s.
+    model = tiny(device)
+    kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8)
+    s = HFSampler(model, cuda_graphs="off", **kw)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a: seen.append(s.cache.layers[0].keys.shape[2]))
+    got = s.generate(PROMPTS[:4], max_new_tokens=12, temperature=0)
+    hook.remove()
+    assert got == [reference(model, p, 12) for p in PROMPTS[:4]]
+    width = max(len(p) for p in PROMPTS[:4])
+    # the prefill over the whole cache, then each step over the bucket that holds its new column
+    assert seen[0] == 24 and len(seen) > 2
+    assert seen[1:] == [min(24, -(-(width + t + 1) // 8) * 8) for t in range(len(seen) - 1)]
+    assert 8 in seen and 16 in seen
 
 
 @pytest.mark.cuda
@@ -206,8 +228,8 @@ def test_cuda_graph_decode_is_eager_decode_and_survives_sleep_and_train():
     model = tiny("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True))
-    kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
-    eager = HFSampler(model, cuda_graphs="off", **kw)
+    kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8)
+    eager = HFSampler(model, cuda_graphs="off", fused="on", **kw)
     graphs = HFSampler(model, cuda_graphs="on", **kw)
     pm.add_engine(graphs)
 
@@ -219,7 +241,9 @@ def test_cuda_graph_decode_is_eager_decode_and_survives_sleep_and_train():
 
     want = both(eager)
     assert both(graphs) == want  # 5 prompts: a batch of 4 and a partial batch of 1 (buckets 4 and 1)
-    assert graphs.captures == 2
+    captured = graphs.captures  # per rows bucket, one graph per cache-length bucket the steps reached
+    assert captured == sum(len(d.graphs) for d in graphs._decoders.values())
+    assert sorted(graphs._decoders) == [1, 4] and all(len(d.graphs) >= 2 for d in graphs._decoders.values())
     for _ in range(3):  # the train phase between rollouts: the cache sleeps, the weights leave and come back
         with pm.train():
             pm.state.synchronize()
@@ -230,10 +254,34 @@ def test_cuda_graph_decode_is_eager_decode_and_survives_sleep_and_train():
         graphs.wake()
         assert both(graphs) == want
         graphs.sleep()
-    assert graphs.captures == 2  # nothing re-captured
+    assert graphs.captures == captured  # nothing re-captured
     graphs.wake()
     pm.state.close()  # the weights move back to PyTorch's allocator: the graphs are stale and re-captured
-    assert both(graphs) == want and graphs.captures == 4
+    assert both(graphs) == want and graphs.captures == 2 * captured
+
+
+@pytest.mark.cuda
+def test_capture_up_front_covers_every_bucket():
+    model = tiny("cuda")
+    kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8)
+    want = HFSampler(model, cuda_graphs="off", fused="on", **kw).generate(
+        PROMPTS, max_new_tokens=10, temperature=0
+    )
+    s = HFSampler(model, cuda_graphs="on", **kw)
+    assert s.capture() > 0
+    assert s.captures == 3 * 3  # rows 1, 2 and 4 over lengths 8, 16 and 24
+    assert s.generate(PROMPTS, max_new_tokens=10, temperature=0) == want
+    assert s.captures == 9 and s.graph_pool_bytes > 0
+    s.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        s.capture()
+    pool = tuple(s._pool)
+    s.wake()
+    s.sleep(level=2)  # the graphs and their pool go as well
+    assert s.graph_pool_bytes == 0
+    assert not [g for g in torch.cuda.memory_snapshot() if tuple(g.get("segment_pool_id", ())) == pool]
+    s.wake()
+    assert s.generate(PROMPTS, max_new_tokens=10, temperature=0) == want and s.captures > 9
 
 
 @pytest.mark.cuda
@@ -242,7 +290,9 @@ def test_cuda_graphs_follow_weights_that_move_during_the_prefill():
     # over last rollout's storage must not replay over this one's.
     model = tiny("cuda")
     kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
-    want = HFSampler(model, cuda_graphs="off", **kw).generate(PROMPTS, max_new_tokens=10, temperature=0)
+    want = HFSampler(model, cuda_graphs="off", fused="on", **kw).generate(
+        PROMPTS, max_new_tokens=10, temperature=0
+    )
     graphs = HFSampler(model, cuda_graphs="on", **kw)
     keep = []  # the old storage stays allocated (and unchanged): a stale graph would read it silently
 
@@ -304,3 +354,29 @@ def test_rollout_copy_in_its_own_dtype_and_region(device):
         s.sync_weights()
     with pytest.raises(ValueError, match=r"rollout_dtype must be a floating torch\.dtype"):
         HFSampler(model, rollout_dtype=torch.int8, **kw)
+
+
+def test_fused_pieces_are_the_models_own_arithmetic():
+    # Off a GPU the fused functions run uncompiled: op for op the model's own, so logits are bit-equal;
+    # inside the block the known modules are swapped, outside nothing is left of it.
+    from rlmem.integrations import _fused
+
+    model = tiny("cpu")
+    modeling = transformers.models.qwen2.modeling_qwen2
+    rope = modeling.apply_rotary_pos_emb
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        want = model(ids).logits
+        with _fused.fused(model, _fused.kernels(torch.device("cpu"))) as swapped:
+            assert swapped == 2 * 3 + 1 + 1  # two norms and an MLP per layer, the final norm, one rotary file
+            assert modeling.apply_rotary_pos_emb is _fused.rotary
+            got = model(ids).logits
+    assert torch.equal(got, want)
+    assert modeling.apply_rotary_pos_emb is rope
+    assert all("forward" not in vars(m) for m in model.modules())
+    kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
+    assert not HFSampler(model, **kw).fused  # auto: with CUDA graphs only
+    on = HFSampler(model, fused="on", **kw)
+    assert on.generate(PROMPTS, max_new_tokens=8, temperature=0) == [reference(model, p, 8) for p in PROMPTS]
+    with pytest.raises(ValueError, match="fused must be one of 'auto', 'on', 'off'"):
+        HFSampler(model, fused="yes", **kw)

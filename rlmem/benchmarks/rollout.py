@@ -3,13 +3,19 @@
 
 Greedy decoding, bf16, a random model of ``--preset`` (default the 2.7B Qwen2 shape with full multi-head
 KV), ``--prompt-len`` tokens of prompt and ``--new-tokens`` generated for every row (no EOS stops a row).
+rlmem runs eager, with CUDA graphs (``rlmem_graphs_unfused``), and with CUDA graphs over fused norms, gates
+and rotary embeddings (``rlmem_graphs``: ``HFSampler``'s default with graphs, ``fused="auto"``).
 Per batch size and contender: milliseconds per decode step, ``(T(new) - T(1)) / (new - 1)`` from two timed
 calls (so the prefill and the first token are not in it), and the first call's time apart (capture or
 compilation). The bound of a step is the bytes it must read once, the weights plus the mean KV cache over
 the decode, at the device bandwidth measured in the same run (a large device-to-device copy).
 
+A step of rlmem's attends over the cache-length bucket that holds its column (``HFSampler.kv_block``);
+``generate()``'s static cache attends over the whole cache.
+
 Summary: ``graph_vs_bound_b64`` (bound over the graph step at batch 64), ``speedup_vs_hf_generate_b64``
-(``generate()`` with its static cache over the graph step), ``capture_s`` (capturing every bucket), and
+(``generate()`` with its static cache over the graph step), ``capture_s`` (``HFSampler.capture()``: every
+batch-size bucket over every cache-length bucket of the rollout's length), and
 ``recaptures_over_100_cycles`` (captures during 100 sleep/wake cycles with a short rollout in each).
 """
 
@@ -65,10 +71,16 @@ def _per_step(call: Any, new: int, device: torch.device) -> dict[str, float]:
     return {"first_call_s": first, "call_s": full, "ms_per_step": (full - one) / (new - 1) * 1e3}
 
 
-def _sampler(model: Any, rows: int, max_len: int, graphs: str, vocab: int) -> HFSampler:
+def _sampler(model: Any, rows: int, max_len: int, graphs: str, vocab: int, fused: str = "auto") -> HFSampler:
     # eos -1: no row ever stops early, every call decodes the same number of steps
     return HFSampler(
-        model, max_len=max_len, batch_size=rows, pad_token_id=vocab - 1, eos_token_id=-1, cuda_graphs=graphs
+        model,
+        max_len=max_len,
+        batch_size=rows,
+        pad_token_id=vocab - 1,
+        eos_token_id=-1,
+        cuda_graphs=graphs,
+        fused=fused,
     )
 
 
@@ -77,8 +89,12 @@ def measure(model: Any, rows: int, args: Any, vocab: int, device: torch.device) 
     prompts = torch.randint(0, vocab - 1, (rows, args.prompt_len), generator=g)
     max_len = args.prompt_len + args.new_tokens
     out: dict[str, Any] = {}
-    for who, graphs in (("rlmem_eager", "off"), ("rlmem_graphs", "on")):
-        s = _sampler(model, rows, max_len, graphs, vocab)
+    for who, graphs, fused in (
+        ("rlmem_eager", "off", "off"),
+        ("rlmem_graphs_unfused", "on", "off"),
+        ("rlmem_graphs", "on", "on"),
+    ):
+        s = _sampler(model, rows, max_len, graphs, vocab, fused)
         lists = prompts.tolist()
         out[who] = _per_step(
             lambda n, s=s, lists=lists: s.generate(lists, max_new_tokens=n, temperature=0),
@@ -86,6 +102,7 @@ def measure(model: Any, rows: int, args: Any, vocab: int, device: torch.device) 
             device,
         )
         out[who]["captures"] = s.captures
+        out[who]["graph_pool_bytes"] = s.graph_pool_bytes
         s.region.close()
         del s
         gc.collect()
@@ -136,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--merge", action="store_true", help="keep batch sizes of an existing JSON not run now")
     args = run_.parse(argv)
     if not run_.needs_cuda():
         return 2
@@ -146,15 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_token = kv_bytes_per_token(model.config, torch.bfloat16)
     print(f"bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB", flush=True)
-    res: dict[str, Any] = {}
+    # batch sizes measured in an earlier call (one call of the GPU machine does not fit them all)
+    res: dict[str, Any] = run_.previous() if args.merge else {}
     rows = []
-    # capture time: one sampler, every bucket once (a one-token decode in each)
-    cap = _sampler(model, max(int(b) for b in args.batches.split(",")), args.prompt_len + 2, "on", vocab)
-    t_cap = 0.0
-    for b in cap._buckets():
-        lists = torch.randint(0, vocab - 1, (b, args.prompt_len), generator=torch.Generator()).tolist()
-        t_cap += _timed(lambda lists=lists, s=cap: s.generate(lists, max_new_tokens=2, temperature=0), device)
+    # capture time: one sampler of the largest batch and the rollout's length, every graph it can replay
+    # (each batch-size bucket over each cache-length bucket)
+    max_len = args.prompt_len + args.new_tokens
+    cap = _sampler(model, max(int(b) for b in args.batches.split(",")), max_len, "on", vocab)
+    t_cap = cap.capture()
     captures = cap.captures
+    cap_pool = cap.graph_pool_bytes
     cap.region.close()
     del cap
     gc.collect()
@@ -203,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {
         "capture_s": t_cap,
         "buckets_captured": captures,
+        "graph_pool_bytes": cap_pool,
         "recaptures_over_100_cycles": rec["recaptures"],
         "same_tokens_over_100_cycles": rec["same_tokens"],
     }
@@ -217,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         summary,
         config={
             "preset": args.preset,
-            "batches": args.batches,
+            "batches": ",".join(sorted(res, key=int)),
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             "bandwidth_bytes_per_s": bw,

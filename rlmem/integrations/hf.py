@@ -8,16 +8,20 @@ like vLLM's ``gpu_memory_utilization``.
 
 Decode steps run from fixed buffers (token ids, positions, a prepared 4-D attention mask) into the static
 cache, so on a GPU each step is one CUDA graph replay (``cuda_graphs``): one graph per batch-size bucket
-(powers of two up to ``batch_size``), captured on first use. The cache's addresses never change, so the
-graphs survive ``sleep()`` / ``wake()`` and the train phase between rollouts without re-capture; they are
-captured again only if the model's parameters or buffers move (``captures`` counts every capture).
-Sampling runs after each replay on the device, with no host sync per token.
+(powers of two up to ``batch_size``) and cache-length bucket (multiples of ``kv_block``), captured on first
+use. A step attends over the columns of its length bucket only, not the whole cache: at batch 64 the keys
+and values outweigh the weights, and reading the unfilled part of the cache would double a step's bytes.
+The cache's addresses never change, so the graphs survive ``sleep()`` / ``wake()`` and the train phase
+between rollouts without re-capture; they are captured again only if the model's parameters or buffers move
+(``captures`` counts every capture). Sampling runs after each replay on the device, with no host sync per
+token.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +32,8 @@ from .._checks import check_choice
 from ..memory.region import Region, _round_up
 from ..plan.shapes import kv_bytes_per_token as _kv_bytes
 from ..train._engines import check_tags
+from ._fused import fused as _fused
+from ._fused import kernels
 
 __all__ = ["HFSampler", "kv_bytes_per_token"]
 
@@ -60,6 +66,12 @@ class HFSampler:
         sync_every: tokens between the host checks that stop a batch once every row has ended.
         cuda_graphs: ``"auto"`` (default: on for CUDA), ``"on"`` or ``"off"``: decode steps as CUDA graph
             replays.
+        fused: ``"auto"`` (default: on with CUDA graphs), ``"on"`` or ``"off"``: run the RMSNorms, MLP gates
+            and rotary embeddings of Llama-family models (Llama, Mistral, Qwen2, Qwen3) as one compiled kernel
+            each while sampling (``_fused``); other models and modules run as they are. The arithmetic is the
+            model's own; the rounding of a fused reduction may differ in the last bit from the unfused one.
+        kv_block: granularity of the cache-length buckets a decode step attends over (a multiple of 8);
+            None: ``max_len / 8`` rounded up to a multiple of 64 (at most 8 buckets, graphs, per batch size).
         rollout_dtype: sample from a copy of the model's parameters in this dtype (e.g. ``torch.bfloat16``
             while training keeps fp32 weights), held in a Region of its own: ``sync_weights()`` refreshes it
             from the model (after each optimizer step), ``sleep(1)`` keeps it in pinned host memory and
@@ -69,8 +81,8 @@ class HFSampler:
             ``compute_dtype`` defaults to it.
 
     Raises:
-        ValueError: a size is not positive, the budget holds less than one sequence, or ``cuda_graphs`` is
-            not one of the three (or ``"on"`` off a GPU).
+        ValueError: a size is not positive, the budget holds less than one sequence, ``kv_block`` is not a
+            positive multiple of 8, or ``cuda_graphs`` is not one of the three (or ``"on"`` off a GPU).
     """
 
     def __init__(
@@ -86,20 +98,29 @@ class HFSampler:
         sync_every: int = 8,
         cuda_graphs: str = "auto",
         rollout_dtype: torch.dtype | None = None,
+        fused: str = "auto",
+        kv_block: int | None = None,
         name: str = "kv-cache",
     ) -> None:
         from transformers import StaticCache
 
         check_choice("cuda_graphs", cuda_graphs, ("auto", "on", "off"))
+        check_choice("fused", fused, ("auto", "on", "off"))
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive int, got {sync_every!r}")
+        if kv_block is None:
+            kv_block = _round_up(-(-max_len // 8), 64)
+        elif not isinstance(kv_block, int) or kv_block < 8 or kv_block % 8:
+            raise ValueError(f"kv_block must be a positive multiple of 8 or None, got {kv_block!r}")
         param = next(model.parameters())
         device = param.device
         if cuda_graphs == "on" and device.type != "cuda":
             raise ValueError(f"cuda_graphs='on' needs a model on a CUDA device; this one is on {device}")
         self.cuda_graphs = cuda_graphs != "off" and device.type == "cuda"
+        self.fused = fused == "on" or (fused == "auto" and self.cuda_graphs)
+        self._kernels = kernels(device) if self.fused else ()
         if rollout_dtype is not None and not (
             isinstance(rollout_dtype, torch.dtype) and rollout_dtype.is_floating_point
         ):
@@ -118,6 +139,7 @@ class HFSampler:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         self.model = model
         self.max_len = max_len
+        self.kv_block = kv_block
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -157,8 +179,9 @@ class HFSampler:
                 layer.batch_size = batch_size
         self.cache.reset()
         self.tokens_generated = 0
-        self.captures = 0  # CUDA graphs captured so far (one per bucket, again only if the weights moved)
-        self._decoders: dict[int, _Decode] = {}  # by rows; with CUDA graphs, each holds its graph
+        # CUDA graphs captured so far: one per rows and length bucket, again only if the weights move
+        self.captures = 0
+        self._decoders: dict[int, _Decode] = {}  # by rows; with CUDA graphs, each holds its graphs
         self._pool: Any = None
         self.graph_pool_bytes = 0  # device memory the captured graphs' private pool holds
         self._fingerprint: tuple[int, ...] = ()
@@ -185,13 +208,23 @@ class HFSampler:
 
     def sleep(self, level: int = 1) -> None:
         """Give the KV cache's memory back (its contents are not needed between rollouts), and the rollout
-        copy's: kept in pinned host memory at level 1, discarded at level 2. Without a rollout copy the
+        copy's: kept in pinned host memory at level 1, discarded at level 2. Level 2 also drops the CUDA
+        graphs and frees their memory pool (captured again on the next use). Without a rollout copy the
         sampler runs on the caller's model and both levels release the same memory.
 
         Raises:
             ValueError: ``level`` is not 1 or 2.
         """
         check_choice("level", level, (1, 2))
+        if level == 2 and self._decoders:
+            # The CUDA graphs go too: their private pool is freed once no graph holds it, and captured
+            # again on use (level 1 keeps them: no re-capture, but the pool stays reserved).
+            self._decoders.clear()
+            self._pool = None
+            self.graph_pool_bytes = 0
+            if self.cuda_graphs:
+                torch.cuda.synchronize(self.region.device)
+                torch.cuda.empty_cache()
         self.region.pause(keep=False)
         if self.weights_region is not None:
             self.weights_region.pause(keep=level == 1)
@@ -230,8 +263,9 @@ class HFSampler:
             use_cache=True,
             logits_to_keep=1,
         )
+        swap = _fused(self.model, self._kernels) if self.fused else contextlib.nullcontext()
         try:
-            with self._autocast(ids.device):
+            with self._autocast(ids.device), swap:
                 if self.weights is None:
                     out = self.model(**kwargs)
                 else:  # the same modules over the rollout copy
@@ -253,7 +287,7 @@ class HFSampler:
         return tuple(t.data_ptr() for t in (*params, *self.model.buffers()))
 
     def _decoder(self, size: int) -> _Decode:
-        """The fixed decode buffers of ``size`` rows (and their captured graph, with CUDA graphs)."""
+        """The fixed decode buffers of ``size`` rows (and their captured graphs, with CUDA graphs)."""
         if self.cuda_graphs:
             fp = self._weights_fingerprint()
             if fp != self._fingerprint:  # the weights moved (adopted or reloaded elsewhere): graphs are stale
@@ -266,39 +300,93 @@ class HFSampler:
             d = self._decoders[size] = _Decode(size, self.max_len, self.region.device)
         return d
 
-    def _decode(self, d: _Decode) -> torch.Tensor:
-        """Logits of one decode step from ``d``'s buffers (a graph replay once captured)."""
-        if not self.cuda_graphs:
-            return self._forward(d.ids, d.mask, d.pos)
-        if d.graph is None:
-            self._capture(d)
-        assert d.graph is not None and d.out is not None
-        d.graph.replay()
-        return d.out
+    @torch.no_grad()
+    def capture(self) -> float:
+        """Capture every decode graph now, each batch-size bucket over each cache-length bucket, instead of
+        on first use (as a serving engine does at start-up); the graphs read the weights where they are now.
+        Nothing without CUDA graphs.
 
-    def _capture(self, d: _Decode) -> None:
+        Returns:
+            Seconds it took.
+
+        Raises:
+            RuntimeError: the engine is asleep.
+        """
+        if self.region.paused or (self.weights_region is not None and self.weights_region.paused):
+            raise RuntimeError("HFSampler is asleep: call wake() before capture()")
+        if not self.cuda_graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        full = [(layer.keys, layer.values) for layer in self.cache.layers]
+        lengths = sorted({self._length(n) for n in range(1, self.max_len + 1)})
+        try:
+            self.cache.reset()
+            for rows in self._buckets():
+                d = self._decoder(rows)
+                d.mask.zero_()
+                d.mask[..., 0] = True  # a row with nothing to attend to would compute NaN
+                for length in lengths:
+                    if length not in d.graphs:
+                        self._use_rows(full, rows, length)
+                        self._capture(d, length)
+        finally:
+            self._use_rows(full, None)
+            self.cache.reset()
+        torch.cuda.synchronize(self.region.device)
+        return time.perf_counter() - t0
+
+    def _length(self, n: int) -> int:
+        """The cache-length bucket that holds ``n`` columns."""
+        return min(self.max_len, _round_up(n, self.kv_block))
+
+    def _decode(self, d: _Decode, length: int) -> torch.Tensor:
+        """Logits of one decode step from ``d``'s buffers over the first ``length`` cache columns (a graph
+        replay once captured). The cache's views must span ``length`` columns (``_use_rows``)."""
+        if not self.cuda_graphs:
+            return self._forward(d.ids, d.mask[..., :length], d.pos)
+        graph = d.graphs.get(length)
+        if graph is None:
+            graph = self._capture(d, length)
+        graph.replay()
+        assert d.logits is not None
+        return d.logits
+
+    @torch.no_grad()  # with autograd on, the logits buffer would keep every graph's activations alive
+    def _capture(self, d: _Decode, length: int) -> Any:
         # Warm-up runs write this step's keys and values and advance the cache's length counters: keep the
         # counters and put them back (the replay rewrites the same slot).
         lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        mask = d.mask[..., :length]
         side = torch.cuda.Stream(self.region.device)
         side.wait_stream(torch.cuda.current_stream(self.region.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(d.ids, d.mask, d.pos)
+            # Twice before this sampler's first capture (lazy initialisation of the libraries), then once;
+            # each run writes the same column (the next would lie past the length bucket's view).
+            for _ in range(2 if self.captures == 0 else 1):
+                out = self._forward(d.ids, mask, d.pos)
+                for layer, n in zip(self.cache.layers, lengths, strict=True):
+                    layer.cumulative_length.copy_(n)
         torch.cuda.current_stream(self.region.device).wait_stream(side)
-        for layer, n in zip(self.cache.layers, lengths, strict=True):
-            layer.cumulative_length.copy_(n)
+        if d.logits is None:  # outside the pool: every length's graph of these rows writes here
+            d.logits = torch.empty_like(out)
+        del out
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # The pool's segments are reserved for the graphs alone and stay reserved while they live (through
-        # sleep and the train phase too): what capturing adds to the reserved bytes is the pool's growth.
-        reserved = torch.cuda.memory_reserved(self.region.device)
+        # The model's own output is a temporary of the pool, so graphs of other lengths reuse its memory.
         with torch.cuda.graph(graph, pool=self._pool):
-            d.out = self._forward(d.ids, d.mask, d.pos)
-        self.graph_pool_bytes += max(0, torch.cuda.memory_reserved(self.region.device) - reserved)
-        d.graph = graph
+            d.logits.copy_(self._forward(d.ids, mask, d.pos))
+        # The pool's segments are reserved for the graphs alone and stay reserved while they live (through
+        # sleep and the train phase too). Counted from the allocator's segments: the difference of the
+        # reserved bytes around a capture would also see the cache emptied as the capture begins.
+        self.graph_pool_bytes = sum(
+            seg["total_size"]
+            for seg in torch.cuda.memory_snapshot()
+            if tuple(seg.get("segment_pool_id", ())) == tuple(self._pool)
+        )
+        d.graphs[length] = graph
         self.captures += 1
+        return graph
 
     def _autocast(self, device: torch.device) -> Any:
         if self.compute_dtype is None:
@@ -390,6 +478,7 @@ class HFSampler:
             # new storage on its first forward of a rollout), and the fingerprint must see where they are.
             d = self._decoder(rows)
             d.start(mask[:, :width], pos[:, -1], width)
+            length = 0
             for t in range(max_new_tokens):
                 nxt = _sample(logits[:n], temperature, top_p, gen)
                 nxt = torch.where(done, self.pad_token_id, nxt)
@@ -399,7 +488,10 @@ class HFSampler:
                 if t + 1 == max_new_tokens or ((t + 1) % self.sync_every == 0 and bool(done.all())):
                     break
                 d.advance(nxt, width + t)
-                logits = self._decode(d)
+                if self._length(width + t + 1) != length:  # the new column opens the next length bucket
+                    length = self._length(width + t + 1)
+                    self._use_rows(full, rows, length)
+                logits = self._decode(d, length)
         finally:
             self._use_rows(full, None)
         rows = []
@@ -410,21 +502,27 @@ class HFSampler:
             self.tokens_generated += len(row)
         return rows
 
-    def _use_rows(self, full: list[tuple[torch.Tensor, torch.Tensor]], n: int | None) -> None:
+    def _use_rows(
+        self, full: list[tuple[torch.Tensor, torch.Tensor]], n: int | None, length: int | None = None
+    ) -> None:
+        """Point the cache's layers at the first ``n`` rows and ``length`` columns of the Region's tensors
+        (None: all of them)."""
+        whole = (n is None or n == self.batch_size) and (length is None or length == self.max_len)
         for layer, (k, v) in zip(self.cache.layers, full, strict=True):
-            layer.keys, layer.values = (k, v) if n is None or n == self.batch_size else (k[:n], v[:n])
+            layer.keys, layer.values = (k, v) if whole else (k[:n, :, :length], v[:n, :, :length])
 
 
 class _Decode:
     """Fixed inputs of one decode step for ``size`` rows: token ids, positions and the 4-D attention mask
-    (True: attend) over the whole cache, updated in place; with a CUDA graph, its output logits too."""
+    (True: attend) over the whole cache, updated in place; with CUDA graphs, one graph per cache-length
+    bucket and the output logits they all write."""
 
     def __init__(self, size: int, max_len: int, device: torch.device) -> None:
         self.ids = torch.zeros((size, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((size, 1), dtype=torch.long, device=device)
         self.mask = torch.zeros((size, 1, 1, max_len), dtype=torch.bool, device=device)
-        self.graph: Any = None
-        self.out: torch.Tensor | None = None
+        self.graphs: dict[int, Any] = {}
+        self.logits: torch.Tensor | None = None
 
     def start(self, prompt_mask: torch.Tensor, last_pos: torch.Tensor, width: int) -> None:
         """Set up for a batch whose prompts fill ``width`` columns (rows past the batch attend to the first
