@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,15 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlmem")
+    except PackageNotFoundError:
+        return "checkout"
+
+
 def main(argv: list[str] | None = None) -> int:
     run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
     p = run_.parser
@@ -166,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = run_.previous() if args.merge else {}
     for part in parts:
         res[part] = _spawn(args, part)
+        # Parts merged from earlier calls keep their own stamp: a summary across parts of different dates
+        # compares different versions of the rollout.
+        res[part]["measured"] = {"date": time.strftime("%Y-%m-%d"), "rlmem": _version()}
     failed = {k: v["error"] for k, v in res.items() if "error" in v}
     for k, v in failed.items():
         print(f"{k} failed:\n{v}", file=sys.stderr)
