@@ -63,3 +63,17 @@ def test_comm_summary_slowest_rank_variants_and_exposure():
     v = s["variants"]["lean"]
     assert v["suspend_resume_s"] == pytest.approx(0.6) and v["busbw_gb_per_s"] == pytest.approx(80)
     assert v["speedup_vs_recreate"] == pytest.approx(2.0 / 0.6) and v["suspendable_bytes_per_group"] == 100
+
+
+def test_grpo_colocated_parts_make_valid_recipe_configs(tmp_path):
+    import argparse
+
+    from rlmem.benchmarks import grpo_colocated
+
+    args = argparse.Namespace(
+        model="qwen2-2.7b-mha", device="cuda:0", steps=2, prompts=29, group=16, max_new_tokens=512,
+        micro_batch=2, kv_big_gib=52.0, kv_fit_gib=20.0,
+    )  # fmt: skip
+    for part in grpo_colocated.PARTS:
+        cfg = grpo_colocated._config(args, part, str(tmp_path))
+        assert cfg.device == "cuda" and cfg.offload == part.endswith("-offload")

@@ -60,7 +60,9 @@ def _config(args: argparse.Namespace, part: str, out_dir: str) -> Any:
     budget = {"big": args.kv_big_gib, "half": args.kv_big_gib / 2, "fit": args.kv_fit_gib}[part.split("-")[0]]
     return GRPOConfig(
         model=args.model,
-        device=args.device,
+        device=torch.device(
+            args.device
+        ).type,  # the recipe takes a kind of device ("cuda:0" is the harness's)
         steps=args.steps,
         prompts_per_step=args.prompts,
         group_size=args.group,
