@@ -72,7 +72,7 @@ def test_grpo_colocated_parts_make_valid_recipe_configs(tmp_path):
 
     args = argparse.Namespace(
         model="qwen2-2.7b-mha", device="cuda:0", steps=2, prompts=29, group=16, max_new_tokens=512,
-        micro_batch=2, kv_big_gib=52.0, kv_fit_gib=20.0,
+        micro_batch=2, kv_big_gib=52.0, kv_fit_gib=20.0, rollout_dtype=None,
     )  # fmt: skip
     for part in grpo_colocated.PARTS:
         cfg = grpo_colocated._config(args, part, str(tmp_path))

@@ -68,6 +68,7 @@ def _config(args: argparse.Namespace, part: str, out_dir: str) -> Any:
         group_size=args.group,
         max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch,
+        rollout_dtype=args.rollout_dtype,
         updates_per_step=1,
         precision="bf16-mixed",
         offload=part.endswith("-offload"),
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=16, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")
+    p.add_argument("--rollout-dtype", default=None, help="the recipe's rollout_dtype (default: None)")
     p.add_argument("--steps", type=int, default=2, help="steps per part; figures from the last")
     p.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)}")
     p.add_argument("--merge", action="store_true", help="keep the other parts of an existing JSON file")
