@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|train-real|comm|comm-debug|grpo-dist] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -127,6 +127,26 @@ if [[ $what == comm ]]; then
   python3 -m rlmem bench comm --machine "$name" --json "$OUT/comm-$name.json" \
     --variants "${COMM_VARIANTS:-default,buff1m,ctas4,p2p0,connect0,lean}" "$@" 2>&1 | tee "$OUT/bench_comm.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == comm-patch ]]; then
+  # Stock NCCL against rlmem's patch (patches/, scripts/nccl_build.sh), both built from one tag: one library
+  # travels per call. Call 1 carries .nccl-build/stock (kept in /tmp while the machine stays warm); call 2,
+  # at once, carries .nccl-build/patched and runs rlmem bench comm with stock as the baseline and the patched
+  # library (NCCL_MEM_KEEP_BACKUP=1) as a variant; its args go to rlmem bench comm.
+  stock=/tmp/rlmem-nccl-stock
+  if [[ -f .nccl-build/stock/libnccl.so.2 ]]; then
+    mkdir -p "$stock" && cp .nccl-build/stock/libnccl.so.2 "$stock/" && echo "stock NCCL staged in $stock"
+  fi
+  if [[ -f .nccl-build/patched/libnccl.so.2 ]]; then
+    if [[ ! -f $stock/libnccl.so.2 ]]; then
+      echo "no stock NCCL staged: carry .nccl-build/stock in the call before" >&2
+      exit 1
+    fi
+    export LD_PRELOAD="$stock/libnccl.so.2${LD_PRELOAD:+:$LD_PRELOAD}"
+    python3 -m rlmem bench comm --machine "$name" --json "$OUT/comm_nccl_patch-$name.json" \
+      --libs "patched=$PWD/.nccl-build/patched/libnccl.so.2" "$@" 2>&1 | tee "$OUT/bench_comm_patch.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  fi
 fi
 if [[ $what == comm-debug ]]; then
   # What one group allocates, from NCCL's own log (one file per rank under $OUT).
