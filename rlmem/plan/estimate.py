@@ -229,10 +229,10 @@ def estimate_memory(
         decode = rep + nb * M * (1 + b) + nb * 3 * b * i
         sampling = nb * V * (b + 4 * 4 + 8)  # logits, fp32 copy, softmax, sorted values and int64 indices
         if w.cuda_graphs:
-            # One pool for every power-of-two bucket up to the batch: the largest bucket's decode temporaries,
-            # and each bucket's logits kept as its graph's output (1 + 1/2 + 1/4 ... < 2 of the largest). A
-            # replay's temporaries are the pool's own.
-            graph_pool = decode + 2 * nb * V * b
+            # One pool for every batch and cache-length bucket: the largest graph's decode temporaries, the
+            # model's logits among them; beside it each batch bucket's logits buffer, which every length's
+            # graph writes (1 + 1/2 + 1/4 ... < 2 of the largest). A replay's temporaries are the pool's own.
+            graph_pool = decode + nb * V * b + 2 * nb * V * b
             decode = 0
         base = weights + keep + kv + graph_pool
         roll_pts = {"prefill": base + prefill, "decode": base + decode, "sampling": base + sampling}
