@@ -10,7 +10,8 @@ code). Off a CUDA device the functions run uncompiled, op for op what the model 
 
 Only modules whose classes are known to compute exactly this are touched: the RMSNorm and MLP of Llama,
 Mistral, Qwen2 and Qwen3 (a SiLU gate), and the ``apply_rotary_pos_emb`` of their attention modules'
-source files; anything else runs as it is. The swap is undone on leaving, so training never sees it.
+source files; anything else runs as it is. The swap is undone on leaving, so training never sees it
+(unless it runs in another thread during a rollout: the rotary function is swapped in its module).
 """
 
 from __future__ import annotations
