@@ -380,3 +380,13 @@ def test_fused_pieces_are_the_models_own_arithmetic():
     assert on.generate(PROMPTS, max_new_tokens=8, temperature=0) == [reference(model, p, 8) for p in PROMPTS]
     with pytest.raises(ValueError, match="fused must be one of 'auto', 'on', 'off'"):
         HFSampler(model, fused="yes", **kw)
+
+
+def test_fused_leaves_other_models_alone():
+    from rlmem.integrations import _fused
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=14, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with _fused.fused(model, _fused.kernels(torch.device("cpu"))) as swapped:
+        assert swapped == 0
+    assert all("forward" not in vars(m) for m in model.modules())
