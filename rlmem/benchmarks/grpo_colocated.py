@@ -60,9 +60,8 @@ def _config(args: argparse.Namespace, part: str, out_dir: str) -> Any:
     budget = {"big": args.kv_big_gib, "half": args.kv_big_gib / 2, "fit": args.kv_fit_gib}[part.split("-")[0]]
     return GRPOConfig(
         model=args.model,
-        device=torch.device(
-            args.device
-        ).type,  # the recipe takes a kind of device ("cuda:0" is the harness's)
+        # the recipe takes a kind of device, not the harness's "cuda:0"
+        device=torch.device(args.device).type,
         steps=args.steps,
         prompts_per_step=args.prompts,
         group_size=args.group,

@@ -217,11 +217,9 @@ class HFSampler:
         """
         check_choice("level", level, (1, 2))
         if level == 2 and self._decoders:
-            # The CUDA graphs go too: their private pool is freed once no graph holds it, and captured
-            # again on use (level 1 keeps them: no re-capture, but the pool stays reserved).
-            self._decoders.clear()
-            self._pool = None
-            self.graph_pool_bytes = 0
+            # The CUDA graphs go too, captured again on use (level 1 keeps them: no re-capture, but the
+            # pool stays reserved); emptying the cache hands the freed pool back to the driver.
+            self._drop_graphs()
             if self.cuda_graphs:
                 torch.cuda.synchronize(self.region.device)
                 torch.cuda.empty_cache()
@@ -286,14 +284,22 @@ class HFSampler:
         params = self.model.parameters() if self.weights is None else self.weights.values()
         return tuple(t.data_ptr() for t in (*params, *self.model.buffers()))
 
+    def _drop_graphs(self) -> None:
+        """Forget the decode buffers and their graphs; PyTorch frees the graphs' pool once none holds it."""
+        self._decoders.clear()
+        self._pool = None
+        self.graph_pool_bytes = 0
+
+    def _check_awake(self, call: str) -> None:
+        if self.region.paused or (self.weights_region is not None and self.weights_region.paused):
+            raise RuntimeError(f"HFSampler is asleep: call wake() before {call}()")
+
     def _decoder(self, size: int) -> _Decode:
         """The fixed decode buffers of ``size`` rows (and their captured graphs, with CUDA graphs)."""
         if self.cuda_graphs:
             fp = self._weights_fingerprint()
             if fp != self._fingerprint:  # the weights moved (adopted or reloaded elsewhere): graphs are stale
-                self._decoders.clear()
-                self._pool = None
-                self.graph_pool_bytes = 0  # PyTorch frees the old pool once its graphs are gone
+                self._drop_graphs()
                 self._fingerprint = fp
         d = self._decoders.get(size)
         if d is None:
@@ -312,8 +318,7 @@ class HFSampler:
         Raises:
             RuntimeError: the engine is asleep.
         """
-        if self.region.paused or (self.weights_region is not None and self.weights_region.paused):
-            raise RuntimeError("HFSampler is asleep: call wake() before capture()")
+        self._check_awake("capture")
         if not self.cuda_graphs:
             return 0.0
         t0 = time.perf_counter()
@@ -416,8 +421,7 @@ class HFSampler:
             RuntimeError: the engine is asleep.
             ValueError: an argument is out of range, or a prompt plus ``max_new_tokens`` exceeds ``max_len``.
         """
-        if self.region.paused or (self.weights_region is not None and self.weights_region.paused):
-            raise RuntimeError("HFSampler is asleep: call wake() before generate()")
+        self._check_awake("generate")
         if self._weights_stale:
             raise RuntimeError(
                 "HFSampler's rollout weights were discarded (sleep(level=2)): sync_weights() after waking"
@@ -488,8 +492,9 @@ class HFSampler:
                 if t + 1 == max_new_tokens or ((t + 1) % self.sync_every == 0 and bool(done.all())):
                     break
                 d.advance(nxt, width + t)
-                if self._length(width + t + 1) != length:  # the new column opens the next length bucket
-                    length = self._length(width + t + 1)
+                need = self._length(width + t + 1)
+                if need != length:  # the new column opens the next length bucket
+                    length = need
                     self._use_rows(full, rows, length)
                 logits = self._decode(d, length)
         finally:
