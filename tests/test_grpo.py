@@ -264,3 +264,22 @@ def test_ctrl_c_leaves_a_checkpoint_summary_and_timeline(tmp_path):
     assert (out / "timeline.jsonl").is_file()
     done = json.loads((out / "summary.json").read_text())["steps"]
     assert done >= 1 and (out / f"checkpoint-{done}" / "trainer_state.pt").is_file()
+
+
+def test_a_step_row_carries_the_communicators_suspend_and_resume():
+    from types import SimpleNamespace
+
+    from rlmem.comm import ResumeResult, SuspendResult
+    from rlmem.recipes._report import _comm_figures
+
+    none = SimpleNamespace(switches=SimpleNamespace(comm_suspend=None, comm_resume=None))
+    assert _comm_figures(none) == {}
+    sus = SuspendResult(groups=["0"], method="suspend", seconds=0.25, freed_bytes=480 << 20)
+    res = ResumeResult(groups=["0"], seconds=0.125, taken_bytes=480 << 20)
+    got = _comm_figures(SimpleNamespace(switches=SimpleNamespace(comm_suspend=sus, comm_resume=res)))
+    assert got == {
+        "comm_method": "suspend",
+        "comm_suspend_s": 0.25,
+        "comm_resume_s": 0.125,
+        "comm_freed_bytes": 480 << 20,
+    }

@@ -71,6 +71,9 @@ def test_fsdp2_two_gpus_comms_suspended_during_rollout_identical(tmp_path):
     keep = _torchrun(tmp_path, "keep", *common, "comms=keep")
     susp = _torchrun(tmp_path, "susp", *common, "comms=suspend")
     assert susp["losses"] == keep["losses"] and susp["rewards"] == keep["rewards"]
+    rows = [json.loads(r) for r in (tmp_path / "susp" / "log.jsonl").read_text().splitlines()]
+    assert all(r["comm_method"] == "suspend" and r["comm_freed_bytes"] > 0 for r in rows)
+    assert susp["comm_freed_bytes_mean"] > 0 and "comm_freed_bytes_mean" not in keep
 
 
 def test_prompts_must_split_evenly_over_ranks(tmp_path):

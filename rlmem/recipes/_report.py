@@ -78,6 +78,20 @@ def _gib(v: Any, digits: int = 2) -> str:
     return "-" if v is None else f"{v / GiB:.{digits}f}"
 
 
+def _comm_figures(stats: Any) -> dict[str, Any]:
+    """This step's communicator suspend and resume on this rank (a :class:`PhaseManager`'s ``stats()``):
+    how, seconds, and the device bytes the suspend freed."""
+    sus, res = stats.switches.comm_suspend, stats.switches.comm_resume
+    if sus is None or res is None:
+        return {}
+    return {
+        "comm_method": sus.method,
+        "comm_suspend_s": sus.seconds,
+        "comm_resume_s": res.seconds,
+        "comm_freed_bytes": sus.freed_bytes,
+    }
+
+
 def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
     """Most device memory in use (driver's view: PyTorch's allocations, rlmem's Regions, the context) in a
     phase's samples; PyTorch's own peak misses the Regions."""
@@ -132,6 +146,11 @@ def _summarize(
         "step_s_mean": mean("step_s", hist),
         "rollout_tokens_per_s_mean": mean("tokens_per_s", hist),
         "switch_s_mean": mean("switch_s", hist),
+        **(
+            {k + "_mean": mean(k, hist) for k in ("comm_suspend_s", "comm_resume_s", "comm_freed_bytes")}
+            if hist and all("comm_suspend_s" in r for r in hist)
+            else {}
+        ),
         "skipped_updates": sum(int(r.get("skipped_updates", 0)) for r in hist),
         "wall_s": wall_s,  # the whole run, set-up and the end's report included
         "steps_s": sum(r["step_s"] for r in hist),

@@ -45,7 +45,7 @@ from ..plan import presets
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
 from . import _config, checkpoint
-from ._report import _max_used, _step_line, _summarize, _title, _track, report
+from ._report import _comm_figures, _max_used, _step_line, _summarize, _title, _track, report
 from .config import TINY, GRPOConfig, _is_float, train_parser
 from .data import PromptData, TextTokenizer, load_tokenizer
 from .loggers import Loggers, Progress, parse_loggers
@@ -538,6 +538,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 **({"eval/reward": eval_reward} if eval_reward is not None else {}),
                 "kv_batch": sampler.batch_size,
                 "kv_bytes": sampler.kv_bytes,
+                **(_comm_figures(pm.stats()) if cfg.comms == "suspend" and offload else {}),
             }
             history.append(rec)
             completed = step + 1
