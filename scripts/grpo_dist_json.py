@@ -3,8 +3,9 @@
 Usage (on the GPU machine, in the environment the runs had, LD_PRELOAD included):
     python3 scripts/grpo_dist_json.py OUT_DIR MACHINE
 reads OUT_DIR/grpo_dist_{keep,suspend}_summary.json and _log.jsonl, writes OUT_DIR/grpo_dist-MACHINE.json with
-the device, versions, the NCCL torch loaded, and per run: step, rollout, train and switch seconds, tokens/s,
-memory used per phase, and with comms=suspend the communicators' suspend/resume seconds and bytes freed per rank.
+the device, versions, the NCCL torch loaded, and per run: step, rollout, train and switch seconds,
+tokens/s, memory used per phase, and with comms=suspend the communicators' suspend/resume seconds and the
+bytes freed per rank.
 """
 
 from __future__ import annotations

@@ -76,4 +76,18 @@ def test_grpo_colocated_parts_make_valid_recipe_configs(tmp_path):
     )  # fmt: skip
     for part in grpo_colocated.PARTS:
         cfg = grpo_colocated._config(args, part, str(tmp_path))
-        assert cfg.device == "cuda" and cfg.offload == part.endswith("-offload")
+        assert cfg.device == "cuda" and cfg.offload == (not part.endswith("-nooffload"))
+        assert cfg.overlap_offload == (part == "big-overlap")
+
+
+def test_grpo_colocated_summary_says_what_the_overlap_leaves_exposed():
+    from rlmem.benchmarks import grpo_colocated
+
+    def part(switch_s: float, rollout_s: float) -> dict:
+        last = {"switch_s": switch_s, "rollout_s": rollout_s, "step_s": 50.0, "tokens_per_s": 1e4}
+        last.update(kv_bytes=0, peak_rollout=0, peak_train=0)
+        return {"last": last}
+
+    s = grpo_colocated.summarize({"big-offload": part(1.0, 20.0), "big-overlap": part(0.25, 20.5)})
+    assert s["overlap_exposed_s"] == pytest.approx(0.75) and s["overlap_saved_s"] == pytest.approx(0.25)
+    assert s["switch_share_of_step_overlap"] == pytest.approx(0.005)

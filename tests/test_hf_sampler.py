@@ -101,6 +101,8 @@ def test_bad_sampling_arguments():
         s.generate([[]], max_new_tokens=2)
     with pytest.raises(ValueError, match="sync_every"):
         HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, sync_every=0)
+    with pytest.raises(ValueError, match=r"event must be a torch\.cuda\.Event, got object"):
+        s.order_after(object())
 
 
 @pytest.mark.cuda
@@ -390,3 +392,36 @@ def test_fused_leaves_other_models_alone():
     with _fused.fused(model, _fused.kernels(torch.device("cpu"))) as swapped:
         assert swapped == 0
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+@pytest.mark.cuda
+def test_an_overlapped_switch_samples_while_the_optimizer_states_are_copied():
+    def run(overlap: bool):
+        model = tiny("cuda")
+        # 1 GiB of optimizer states beside the model: their copies to host memory take tens of ms
+        model.register_parameter("ballast", torch.nn.Parameter(torch.zeros(128 << 20, device="cuda")))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        config = OffloadConfig(offload_during_rollout=True, params="keep", overlap_offload=overlap)
+        pm = PhaseManager(model, opt, config)
+        s = HFSampler(model, max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
+        pm.add_engine(s)
+        outs, overlapped = [], []
+        for step in range(3):
+            with pm.train():
+                ids = torch.tensor([PROMPTS[0]], device="cuda")
+                model(input_ids=ids, labels=ids).loss.backward()
+                model.ballast.grad = torch.full_like(model.ballast, 1e-3)
+                opt.step()
+                opt.zero_grad()
+            with pm.rollout():
+                overlapped.append(pm.stats().switches.overlapped)
+                outs.append(s.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=step))
+        pm.state.synchronize()
+        return outs, overlapped, opt.state[model.ballast]["exp_avg"].clone()
+
+    plain, never, kept = run(False)
+    got, overlapped, kept_overlapped = run(True)
+    assert got == plain and torch.equal(kept, kept_overlapped)
+    assert never == [False] * 3
+    # the first rollout has taken no measure of its memory yet and waits; the later ones start at once
+    assert overlapped == [False, True, True]

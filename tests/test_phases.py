@@ -212,3 +212,103 @@ def test_engine_protocol_is_validated():
     with pm.rollout(sync_weights=lambda: called.append(1)):  # offloading disabled: the sync still runs
         pass
     assert called == [1]
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_overlapped_offload_trains_exactly_as_the_plain_switch(device, prefetch):
+    base = {"offload_during_rollout": True, "params": "keep", "grads": "discard", "optimizer": "offload"}
+    ref, *_ = _loop(device, OffloadConfig(**base), steps=5, prefetch=prefetch)
+    got, pm, engine, seen, _ = _loop(device, OffloadConfig(**base, overlap_offload=True), 5, prefetch)
+    assert got == ref
+    assert engine.kv.paused and pm.phase == "train" and engine.calls[:3] == ["wake", "sleep", "wake"]
+    sw = pm.stats().switches
+    if device == "cpu":  # nothing to measure the room with: the switch waits for the whole release
+        assert not sw.overlapped and sw.rollout_need_bytes is None
+        assert all(s.resident_bytes == 0 for s in seen[1:])
+    else:
+        assert sw.rollout_need_bytes is not None
+
+
+def test_optimizer_states_read_during_an_overlapped_rollout_are_the_kept_values(device):
+    model = make(0, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 61, (2, 5), device=device)).float().sum().backward()
+    opt.step()
+    config = OffloadConfig(offload_during_rollout=True, params="keep", overlap_offload=True)
+    pm = PhaseManager(model, opt, config)
+    want = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    for _ in range(3):
+        with pm.rollout():
+            assert pm.state.paused("optimizer")
+            for p, w in zip(model.parameters(), want, strict=True):
+                assert all(torch.equal(opt.state[p][k], v) for k, v in w.items())
+        with pm.train():
+            pass
+    pm.state.synchronize()
+    for p, w in zip(model.parameters(), want, strict=True):
+        assert all(torch.equal(opt.state[p][k], v) for k, v in w.items())
+
+
+class FullDeviceEngine(TaggedEngine):
+    """Its KV cache does not fit until the train state's memory is released: the first wake fails."""
+
+    def __init__(self, pm: PhaseManager) -> None:
+        super().__init__(pm)
+        self.failures = 1
+
+    def wake(self, tags=None) -> None:
+        if tags == ["kv_cache"] and self.failures:
+            self.failures -= 1
+            self._record("oom")
+            raise rlmem.OutOfMemoryError("no room yet", needed=self.kv.nbytes)
+        super().wake(tags)
+
+
+def test_overlap_wakes_the_cache_again_once_the_release_is_done():
+    _, _, pm = _trained(OffloadConfig(offload_during_rollout=True, overlap_offload=True))
+    engine = FullDeviceEngine(pm)
+    pm.add_engine(engine)
+    with pm.rollout():
+        pass
+    assert [e[0] for e in engine.events] == ["wake:weights", "oom", "wake:kv_cache"]
+    assert engine.events[-1][1] == 0  # woken again once the train state was gone
+    assert not engine.kv.paused and pm.phase == "rollout"
+    # Without the overlap the state is released before the cache wakes: a failure there is the caller's.
+    _, _, plain = _trained(OffloadConfig(offload_during_rollout=True))
+    plain.add_engine(FullDeviceEngine(plain))
+    with pytest.raises(rlmem.OutOfMemoryError, match="no room yet"), plain.rollout():
+        pass
+    assert plain.phase is None and plain.state.paused("optimizer")
+
+
+def test_overlap_offload_is_validated():
+    assert OffloadConfig().overlap_offload is False
+    with pytest.raises(ValueError, match=r"OffloadConfig\.overlap_offload must be True or False"):
+        OffloadConfig(overlap_offload=1)
+
+
+def test_the_overlapped_switch_waits_for_the_room_it_needs_not_for_the_whole_release(monkeypatch):
+    from rlmem.train import phases
+    from rlmem.train.state import TrainState
+
+    _, _, pm = _trained(OffloadConfig(offload_during_rollout=True, overlap_offload=True))
+
+    class Release:  # an offload in flight that completes after a few polls
+        def __init__(self, polls: int) -> None:
+            self.polls = polls
+
+        def done(self) -> bool:
+            self.polls -= 1
+            return self.polls < 0
+
+    free = iter([1 << 20, 2 << 20, 3 << 20, 4 << 20, 5 << 20, 6 << 20])
+    synced = []
+    monkeypatch.setattr(TrainState, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(phases, "_free_bytes", lambda device: next(free))
+    monkeypatch.setattr(pm.state, "synchronize", lambda: synced.append(1))
+    monkeypatch.setattr(pm.state, "_in_flight", lambda: [Release(100)])
+    assert pm._wait_release(3 << 20) is True and synced == []  # the third poll found 3 MiB free
+    monkeypatch.setattr(pm.state, "_in_flight", lambda: [Release(2)])
+    assert pm._wait_release(None) is False and synced == [1]  # no measure: the whole release
+    monkeypatch.setattr(pm.state, "_in_flight", lambda: [Release(2)])
+    assert pm._wait_release(1 << 40) is False and synced == [1, 1]  # never room enough: the whole release

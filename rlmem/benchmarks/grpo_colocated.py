@@ -47,7 +47,7 @@ def _gib(v: float | None) -> float | None:
     return None if v is None else v / _GiB
 
 
-PARTS = ("big-nooffload", "big-offload", "half-nooffload", "fit-nooffload")
+PARTS = ("big-nooffload", "big-offload", "big-overlap", "half-nooffload", "fit-nooffload")
 TARGETS = {
     "switch_share_of_step": ("<", 0.05),
     "tokens_per_s_gain": (">", 1.0),
@@ -70,7 +70,8 @@ def _config(args: argparse.Namespace, part: str, out_dir: str) -> Any:
         rollout_dtype=args.rollout_dtype,
         updates_per_step=1,
         precision="bf16-mixed",
-        offload=part.endswith("-offload"),
+        offload=not part.endswith("-nooffload"),
+        overlap_offload=part.endswith("-overlap"),
         kv_budget=f"{budget}GiB",
         out_dir=out_dir,
         progress=False,
@@ -134,6 +135,17 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         s["kv_gib_no_offload"] = f["kv_bytes"] / _GiB
         s["peak_rollout_gib_no_offload"] = _gib(f["peak_rollout"])
         s["peak_train_gib_no_offload"] = _gib(f["peak_train"])
+    ov = res.get("big-overlap", {})
+    if ov.get("last"):
+        o = ov["last"]
+        s["switch_share_of_step_overlap"] = o["switch_s"] / o["step_s"]
+        s["step_s_overlap"] = o["step_s"]
+        if big.get("last"):
+            b = big["last"]
+            # What the overlap leaves on the step: its own switches, plus what the rollout lost to the
+            # copies running beside it.
+            s["overlap_exposed_s"] = o["switch_s"] + max(0.0, o["rollout_s"] - b["rollout_s"])
+            s["overlap_saved_s"] = (b["switch_s"] + b["rollout_s"]) - (o["switch_s"] + o["rollout_s"])
     if "rollout_tokens_per_s_offload" in s and "rollout_tokens_per_s_no_offload" in s:
         s["tokens_per_s_gain"] = s["rollout_tokens_per_s_offload"] / s["rollout_tokens_per_s_no_offload"]
     return s

@@ -184,6 +184,8 @@ class HFSampler:
         self._decoders: dict[int, _Decode] = {}  # by rows; with CUDA graphs, each holds its graphs
         self._pool: Any = None
         self.graph_pool_bytes = 0  # device memory the captured graphs' private pool holds
+        self._after: Any = None  # order_after()'s event, for the next generate()
+        self._stream: Any = None  # the sampler's own stream, made on the first order_after()
         self._fingerprint: tuple[int, ...] = ()
 
     @property
@@ -393,6 +395,20 @@ class HFSampler:
         self.captures += 1
         return graph
 
+    def order_after(self, event: Any) -> None:
+        """Run the next :meth:`generate` on the sampler's own CUDA stream, ordered after ``event`` alone
+        rather than after all that is queued on the caller's stream, which is ordered after the generation
+        when it returns. A :class:`~rlmem.PhaseManager` with ``overlap_offload`` passes the end of the train
+        phase, so the prefill runs while the train state is copied to host memory. Nothing off a GPU.
+
+        Raises:
+            ValueError: ``event`` is not a ``torch.cuda.Event``.
+        """
+        if not isinstance(event, torch.cuda.Event):
+            raise ValueError(f"event must be a torch.cuda.Event, got {type(event).__name__}")
+        if self.region.device.type == "cuda":
+            self._after = event
+
     def _autocast(self, device: torch.device) -> Any:
         if self.compute_dtype is None:
             return contextlib.nullcontext()
@@ -443,6 +459,27 @@ class HFSampler:
         device = self.region.device
         gen = torch.Generator(device=device)
         gen.manual_seed(int(torch.randint(2**62, ()).item()) if seed is None else seed)
+        after, self._after = self._after, None
+        if after is None:
+            return self._generate_all(prompts, max_new_tokens, temperature, top_p, gen)
+        caller = torch.cuda.current_stream(device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_event(after)
+        try:
+            with torch.cuda.stream(self._stream):
+                return self._generate_all(prompts, max_new_tokens, temperature, top_p, gen)
+        finally:
+            caller.wait_stream(self._stream)
+
+    def _generate_all(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator,
+    ) -> list[list[int]]:
         out: list[list[int]] = []
         for start in range(0, len(prompts), self.batch_size):
             rows = self._generate_batch(

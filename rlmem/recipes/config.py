@@ -82,6 +82,9 @@ class GRPOConfig:
         comms: ``"keep"`` or ``"suspend"``: under torchrun on GPUs with offload on, the NCCL communicators
             give their GPU memory back during rollout (:func:`rlmem.comm.suspend`); FSDP's weights are
             gathered for the rollout before they go, and the rollout's own reductions use a Gloo group.
+        overlap_offload: with offload on, the optimizer states' copies to host memory go on while the
+            rollout's prefill runs, as far as the memory the previous rollout took allows
+            (:class:`rlmem.OffloadConfig` ``overlap_offload``); off: the rollout starts once they are done.
         out_dir: where the log, timeline, table and plot go.
         progress: draw a progress bar on a terminal.
         plot: write ``memory.png`` at the end (needs matplotlib).
@@ -129,6 +132,7 @@ class GRPOConfig:
     rollout_dtype: str | None = None
     gradient_checkpointing: bool = False
     comms: str = "keep"
+    overlap_offload: bool = False
     out_dir: str = "runs/grpo"
     progress: bool = True
     plot: bool = True
@@ -172,7 +176,7 @@ class GRPOConfig:
             not self.dynamic_batching or mt is not None,
             "set (an int >= 1) when dynamic_batching is true",
         )
-        for f in ("gradient_checkpointing", "progress", "plot", "dynamic_batching"):
+        for f in ("gradient_checkpointing", "progress", "plot", "dynamic_batching", "overlap_offload"):
             need(f, isinstance(getattr(self, f), bool), "true or false")
         need("out_dir", isinstance(self.out_dir, str) and bool(self.out_dir), "a path")
         need("eval_every", is_int(self.eval_every) and self.eval_every >= 0, "an int >= 0 (0: never)")

@@ -374,6 +374,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
             optimizer="offload",
             engine_sleep_level=2 if cfg.rollout_dtype else 1,
             comms=cfg.comms,
+            overlap_offload=cfg.overlap_offload,
         ),
     )
     ref_state = None
@@ -539,6 +540,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 "kv_batch": sampler.batch_size,
                 "kv_bytes": sampler.kv_bytes,
                 **(_comm_figures(pm.stats()) if cfg.comms == "suspend" and offload else {}),
+                **({"overlapped": pm.stats().switches.overlapped} if cfg.overlap_offload and offload else {}),
             }
             history.append(rec)
             completed = step + 1

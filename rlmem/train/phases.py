@@ -7,6 +7,7 @@ what is needed. With ``offload_during_rollout=False`` (the default) both are no-
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -66,6 +67,12 @@ class OffloadConfig:
         engine_sleep_level: the ``level`` engines are put to sleep with when the train phase begins: 1
             (default; weights kept in host memory) or 2 (discarded: ``rollout(sync_weights=...)`` refills
             them).
+        overlap_offload: the train state's copies to host memory go on while the rollout starts, as far as
+            memory allows: ``rollout()`` returns once the engines are awake and the device has as much free
+            memory as the previous rollout took (the first rollout waits for the whole release), and an
+            engine with ``order_after(event)`` (``HFSampler``) runs its next generation on a stream of its
+            own, ordered after the train phase's work but not after the copies. Off by default: the switch
+            returns once the memory is released.
 
     Raises:
         ValueError: a field has a value outside those listed; the message names the field.
@@ -80,11 +87,12 @@ class OffloadConfig:
     reserve_backups: bool = True
     comms: str = "keep"
     engine_sleep_level: int = 1
+    overlap_offload: bool = False
 
     def __post_init__(self) -> None:
         check_choice("OffloadConfig.comms", self.comms, ("keep", "suspend"))
         check_choice("OffloadConfig.engine_sleep_level", self.engine_sleep_level, (1, 2))
-        for f in ("offload_during_rollout", "empty_cache", "reserve_backups"):
+        for f in ("offload_during_rollout", "empty_cache", "reserve_backups", "overlap_offload"):
             check_flag(f"OffloadConfig.{f}", getattr(self, f))
         for f in ("params", "grads", "optimizer", "buffers"):
             check_policy(f"OffloadConfig.{f}", getattr(self, f))
@@ -102,7 +110,10 @@ class OffloadConfig:
 class SwitchStats(Result):
     """Phase switches so far and the last of each: seconds to enter rollout (offload, communicators
     suspended, engines woken), to enter train (the reload queued; the optimizer step waits for the rest), of
-    the last :meth:`PhaseManager.prefetch`, and what the last communicator suspend / resume returned."""
+    the last :meth:`PhaseManager.prefetch`, and what the last communicator suspend / resume returned.
+    With ``overlap_offload``: whether the last rollout began with the offload still in flight
+    (``overlapped``), and the device memory the previous rollout took, which the switch waits to be free
+    (``rollout_need_bytes``; None before the first rollout)."""
 
     count: int
     rollout_s: float | None
@@ -110,6 +121,8 @@ class SwitchStats(Result):
     prefetch_s: float | None
     comm_suspend: Any
     comm_resume: Any
+    overlapped: bool = False
+    rollout_need_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -162,9 +175,10 @@ class PhaseManager:
         self.state: TrainState | None = None
         self._reloading = False
         self._switches: dict[str, Any] = dict.fromkeys(
-            ("rollout_s", "train_s", "prefetch_s", "comm_suspend", "comm_resume")
+            ("rollout_s", "train_s", "prefetch_s", "comm_suspend", "comm_resume", "rollout_need_bytes")
         )
-        self._switches["count"] = 0
+        self._switches.update(count=0, overlapped=False)
+        self._rollout_base: int | None = None  # the allocator's reserved bytes as the rollout began
         if config.offload_during_rollout:
             self.state = TrainState(model, optimizer, buffers=config.buffers != "keep", name="phase")
             if config.reserve_backups:
@@ -229,24 +243,85 @@ class PhaseManager:
                 e.wake(tags=["weights"])
             if sync_weights is not None and not bare:
                 sync_weights()
-            self.state.offload(**self.config.policies(), blocking=True)
+            overlap = self.config.overlap_offload
+            if overlap:
+                # Before the copies are queued: both wait for the device to be idle (NCCL's suspend, and
+                # the cudaFree under empty_cache), which would wait for the copies too.
+                self._release_comms_and_cache()
+            # The train phase's work and the weight sync, but not the copies queued next: what an engine
+            # with order_after() waits for before generating.
+            done = _record(self.state.device) if overlap else None
+            self.state.offload(**self.config.policies(), blocking=not overlap)
             self._reloading = False
-            if self.config.comms == "suspend":
-                self._switches["comm_suspend"] = comm.suspend(self.comm_groups)
-            if self.config.empty_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
+            if not overlap:
+                self._release_comms_and_cache()
             for e in bare:
-                e.wake()
+                self._wake_with_room(e.wake)
             if sync_weights is not None and bare:
                 sync_weights()
             for e in tagged:
-                e.wake(tags=["kv_cache"])
+                self._wake_with_room(functools.partial(e.wake, tags=["kv_cache"]))
+            if overlap:
+                self._switches["overlapped"] = self._await_room()
+                for e in self.engines:
+                    if done is not None and callable(getattr(e, "order_after", None)):
+                        e.order_after(done)
+                self._rollout_base = _reserved_from_here(self.state.device)
             self._switches["rollout_s"] = time.perf_counter() - t0
             self._switches["count"] += 1
             self.phase = "rollout"
         elif sync_weights is not None:
             sync_weights()
         yield self
+        if self._rollout_base is not None:  # what this rollout took, the next switch waits for
+            assert self.state is not None
+            took = torch.cuda.max_memory_reserved(self.state.device) - self._rollout_base
+            self._switches["rollout_need_bytes"] = max(0, took)
+            self._rollout_base = None
+
+    def _release_comms_and_cache(self) -> None:
+        if self.config.comms == "suspend":
+            self._switches["comm_suspend"] = comm.suspend(self.comm_groups)
+        if self.config.empty_cache and _cuda_ready():
+            torch.cuda.empty_cache()
+
+    def _wake_with_room(self, wake: Callable[[], Any]) -> None:
+        """``wake()``; with the offload still releasing memory and the device full, again once the release
+        has left the bytes it asked for free (all of it, if it did not say), and after the whole release."""
+        try:
+            wake()
+            return
+        except torch.OutOfMemoryError as e:
+            if not self.config.overlap_offload:
+                raise
+            needed = getattr(e, "needed", 0) or None
+        if self._wait_release(needed):
+            try:
+                wake()
+                return
+            except torch.OutOfMemoryError:
+                pass
+        assert self.state is not None
+        self.state.synchronize()
+        wake()
+
+    def _await_room(self) -> bool:
+        """Wait until the device has the memory the previous rollout took, or the offload has released
+        everything (the first rollout waits for that). Returns whether the offload was still in flight."""
+        return self._wait_release(self._switches["rollout_need_bytes"])
+
+    def _wait_release(self, need: int | None) -> bool:
+        """Wait until the device has ``need`` bytes free or the offload in flight has released everything
+        (None, or off a GPU: the latter). Returns True if it returned with the release still in flight."""
+        assert self.state is not None
+        handles = self.state._in_flight()
+        device = self.state.device
+        while handles and not all(h.done() for h in handles):
+            if need is not None and device.type == "cuda" and _free_bytes(device) >= need:
+                return True
+            time.sleep(0.0005)
+        self.state.synchronize()  # raises what a release on a worker thread raised
+        return False
 
     def prefetch(self) -> None:
         """Start bringing the train state back now (engines are put to sleep first, to make room)."""
@@ -255,6 +330,10 @@ class PhaseManager:
         t0 = time.perf_counter()
         for e in reversed(self.engines):
             _engines.sleep(e, self.config.engine_sleep_level)
+        if self.config.overlap_offload and self.config.empty_cache and _cuda_ready():
+            # An engine's own stream keeps the blocks it freed cached for itself: give them back for the
+            # reload and the train phase.
+            torch.cuda.empty_cache()
         assert self.state is not None
         self.state.reload(blocking=False)
         if self.config.comms == "suspend":
@@ -291,7 +370,32 @@ class PhaseManager:
                 prefetch_s=sw["prefetch_s"],
                 comm_suspend=sw["comm_suspend"],
                 comm_resume=sw["comm_resume"],
+                overlapped=sw["overlapped"],
+                rollout_need_bytes=sw["rollout_need_bytes"],
             ),
             engines=len(self.engines),
             state=None if self.state is None else self.state.stats(),
         )
+
+
+def _cuda_ready() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _record(device: torch.device) -> Any:
+    """An event on ``device``'s current stream (None off a GPU)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).record_event()
+
+
+def _reserved_from_here(device: torch.device) -> int | None:
+    """The allocator's reserved bytes now, its peak counter reset (None off a GPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_reserved(device)
+
+
+def _free_bytes(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0]

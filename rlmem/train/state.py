@@ -596,6 +596,18 @@ class TrainState:
             self._standin_dirty.discard(id(region))
 
     # -- offload / reload ----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device of its Regions (of the first, should they span several); the CPU without any."""
+        for c in CATEGORIES:
+            for r in self._regions[c]:
+                return r.device
+        return torch.device("cpu")
+
+    def _in_flight(self) -> list[Handle]:
+        """Offloads and reloads not waited for yet."""
+        return [h for c in CATEGORIES for h in self._pending[c]]
+
     def paused(self, category: str) -> bool:
         """True while ``category``'s memory is released (offloaded or discarded)."""
         return self._policy[category] != "keep"
