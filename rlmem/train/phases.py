@@ -68,11 +68,11 @@ class OffloadConfig:
             (default; weights kept in host memory) or 2 (discarded: ``rollout(sync_weights=...)`` refills
             them).
         overlap_offload: the train state's copies to host memory go on while the rollout starts, as far as
-            memory allows: ``rollout()`` returns once the engines are awake and the device has as much free
-            memory as the previous rollout took (the first rollout waits for the whole release), and an
-            engine with ``order_after(event)`` (``HFSampler``) runs its next generation on a stream of its
-            own, ordered after the train phase's work but not after the copies. Off by default: the switch
-            returns once the memory is released.
+            memory allows: ``rollout()`` returns once the engines are awake and the device has the memory the
+            previous rollout took, and a quarter more, free (the first rollout waits for the whole release),
+            and an engine with ``order_after(event)`` (``HFSampler``) runs its next generation on a stream of
+            its own, ordered after the train phase's work but not after the copies. Off by default: the
+            switch returns once the memory is released.
 
     Raises:
         ValueError: a field has a value outside those listed; the message names the field.
@@ -306,9 +306,11 @@ class PhaseManager:
         wake()
 
     def _await_room(self) -> bool:
-        """Wait until the device has the memory the previous rollout took, or the offload has released
-        everything (the first rollout waits for that). Returns whether the offload was still in flight."""
-        return self._wait_release(self._switches["rollout_need_bytes"])
+        """Wait until the device has the memory the previous rollout took (and a quarter more, for a rollout a
+        little larger than the last), or the offload has released everything (the first rollout waits for
+        that). Returns whether the offload was still in flight."""
+        need = self._switches["rollout_need_bytes"]
+        return self._wait_release(None if need is None else need + need // 4)
 
     def _wait_release(self, need: int | None) -> bool:
         """Wait until the device has ``need`` bytes free or the offload in flight has released everything
