@@ -172,7 +172,7 @@ if [[ $what == grpo-dist ]]; then
     cp "/tmp/rlmem-grpo-dist-$comms/summary.json" "$OUT/grpo_dist_${comms}_summary.json" 2>/dev/null
     cp "/tmp/rlmem-grpo-dist-$comms/log.jsonl" "$OUT/grpo_dist_${comms}_log.jsonl" 2>/dev/null
   done
-  # (GRPO_DIST_TESTS=0 skips the tests.) Both runs collected in both runs into grpo_dist-<machine>.json
+  # Both runs collected into grpo_dist-<machine>.json (GRPO_DIST_TESTS=0 above skips the tests)
   python3 scripts/grpo_dist_json.py "$OUT" "$name" 2>&1 | tee "$OUT/grpo_dist_json.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi

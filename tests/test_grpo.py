@@ -272,11 +272,11 @@ def test_a_step_row_carries_the_communicators_suspend_and_resume():
     from rlmem.comm import ResumeResult, SuspendResult
     from rlmem.recipes._report import _comm_figures
 
-    none = SimpleNamespace(switches=SimpleNamespace(comm_suspend=None, comm_resume=None))
+    none = SimpleNamespace(comm_suspend=None, comm_resume=None)
     assert _comm_figures(none) == {}
     sus = SuspendResult(groups=["0"], method="suspend", seconds=0.25, freed_bytes=480 << 20)
     res = ResumeResult(groups=["0"], seconds=0.125, taken_bytes=480 << 20)
-    got = _comm_figures(SimpleNamespace(switches=SimpleNamespace(comm_suspend=sus, comm_resume=res)))
+    got = _comm_figures(SimpleNamespace(comm_suspend=sus, comm_resume=res))
     assert got == {
         "comm_method": "suspend",
         "comm_suspend_s": 0.25,

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .. import __version__
 from .._units import GiB as _GiB
 from ._common import (
     format_table,
@@ -151,15 +152,6 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("rlmem")
-    except PackageNotFoundError:
-        return "checkout"
-
-
 def main(argv: list[str] | None = None) -> int:
     run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
     p = run_.parser
@@ -193,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         res[part] = _spawn(args, part)
         # Parts merged from earlier calls keep their own stamp: a summary across parts of different dates
         # compares different versions of the rollout.
-        res[part]["measured"] = {"date": time.strftime("%Y-%m-%d"), "rlmem": _version()}
+        res[part]["measured"] = {"date": time.strftime("%Y-%m-%d"), "rlmem": __version__}
     failed = {k: v["error"] for k, v in res.items() if "error" in v}
     for k, v in failed.items():
         print(f"{k} failed:\n{v}", file=sys.stderr)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -460,33 +460,29 @@ class HFSampler:
         gen = torch.Generator(device=device)
         gen.manual_seed(int(torch.randint(2**62, ()).item()) if seed is None else seed)
         after, self._after = self._after, None
-        if after is None:
-            return self._generate_all(prompts, max_new_tokens, temperature, top_p, gen)
+        out: list[list[int]] = []
+        with contextlib.nullcontext() if after is None else self._own_stream_after(after):
+            for start in range(0, len(prompts), self.batch_size):
+                rows = self._generate_batch(
+                    prompts[start : start + self.batch_size], max_new_tokens, temperature, top_p, gen
+                )
+                out.extend(rows)
+        return out
+
+    @contextlib.contextmanager
+    def _own_stream_after(self, event: Any) -> Iterator[None]:
+        """The block runs on the sampler's own stream, ordered after ``event`` alone; the caller's stream is
+        ordered after the block."""
+        device = self.region.device
         caller = torch.cuda.current_stream(device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        self._stream.wait_event(after)
+        self._stream.wait_event(event)
         try:
             with torch.cuda.stream(self._stream):
-                return self._generate_all(prompts, max_new_tokens, temperature, top_p, gen)
+                yield
         finally:
             caller.wait_stream(self._stream)
-
-    def _generate_all(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        gen: torch.Generator,
-    ) -> list[list[int]]:
-        out: list[list[int]] = []
-        for start in range(0, len(prompts), self.batch_size):
-            rows = self._generate_batch(
-                prompts[start : start + self.batch_size], max_new_tokens, temperature, top_p, gen
-            )
-            out.extend(rows)
-        return out
 
     def _generate_batch(
         self,

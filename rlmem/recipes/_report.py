@@ -78,10 +78,10 @@ def _gib(v: Any, digits: int = 2) -> str:
     return "-" if v is None else f"{v / GiB:.{digits}f}"
 
 
-def _comm_figures(stats: Any) -> dict[str, Any]:
-    """This step's communicator suspend and resume on this rank (a :class:`PhaseManager`'s ``stats()``):
-    how, seconds, and the device bytes the suspend freed."""
-    sus, res = stats.switches.comm_suspend, stats.switches.comm_resume
+def _comm_figures(switches: Any) -> dict[str, Any]:
+    """This step's communicator suspend and resume on this rank (``PhaseManager.stats().switches``): how,
+    seconds, and the device bytes the suspend freed."""
+    sus, res = switches.comm_suspend, switches.comm_resume
     if sus is None or res is None:
         return {}
     return {

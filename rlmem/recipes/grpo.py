@@ -519,6 +519,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 stats = stats.to(device)
                 dist.all_reduce(stats)
                 stats = stats.cpu()
+            sw = pm.stats().switches if offload else None
             rec = {
                 "step": step,
                 "reward": stats[0].item() / stats[1].item(),
@@ -539,8 +540,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 **({"eval/reward": eval_reward} if eval_reward is not None else {}),
                 "kv_batch": sampler.batch_size,
                 "kv_bytes": sampler.kv_bytes,
-                **(_comm_figures(pm.stats()) if cfg.comms == "suspend" and offload else {}),
-                **({"overlapped": pm.stats().switches.overlapped} if cfg.overlap_offload and offload else {}),
+                **(_comm_figures(sw) if sw is not None and cfg.comms == "suspend" else {}),
+                **({"overlapped": sw.overlapped} if sw is not None and cfg.overlap_offload else {}),
             }
             history.append(rec)
             completed = step + 1

@@ -263,9 +263,10 @@ class PhaseManager:
                 self._wake_with_room(functools.partial(e.wake, tags=["kv_cache"]))
             if overlap:
                 self._switches["overlapped"] = self._await_room()
-                for e in self.engines:
-                    if done is not None and callable(getattr(e, "order_after", None)):
-                        e.order_after(done)
+                if done is not None:
+                    for e in self.engines:
+                        if callable(getattr(e, "order_after", None)):
+                            e.order_after(done)
                 self._rollout_base = _reserved_from_here(self.state.device)
             self._switches["rollout_s"] = time.perf_counter() - t0
             self._switches["count"] += 1
