@@ -71,8 +71,9 @@ class OffloadConfig:
             memory allows: ``rollout()`` returns once the engines are awake and the device has the memory the
             previous rollout took, and a quarter more, free (the first rollout waits for the whole release),
             and an engine with ``order_after(event)`` (``HFSampler``) runs its next generation on a stream of
-            its own, ordered after the train phase's work but not after the copies. Off by default: the
-            switch returns once the memory is released.
+            its own, ordered after the train phase's work but not after the copies. The rollout's memory is
+            measured from PyTorch's peak counter, which the switch resets as each rollout begins. Off by
+            default: the switch returns once the memory is released.
 
     Raises:
         ValueError: a field has a value outside those listed; the message names the field.
