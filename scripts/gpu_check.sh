@@ -68,6 +68,8 @@ fi
 if [[ $what == all || $what == bench || $what == bench-act ]]; then
   extra=()
   [[ $what == bench-act ]] && extra=("$@")
+  # --merge keeps models measured in earlier calls
+  [[ -f bench/results/activations-$name.json ]] && cp "bench/results/activations-$name.json" "$OUT/"
   python3 -m rlmem bench activations --machine "$name" --json "$OUT/activations-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_activations.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1

@@ -53,9 +53,9 @@ def make(kind: str, device: str = "cpu") -> nn.Module:
     return m.to(device).train()
 
 
-def run(model: nn.Module, ctx=None, steps: int = 1, seed: int = 5):
+def run(model: nn.Module, ctx=None, steps: int = 1, seed: int = 5, length: int = 24):
     dev = next(model.parameters()).device
-    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1)).to(dev)
+    ids = torch.randint(0, 97, (2, length), generator=torch.Generator().manual_seed(1)).to(dev)
     torch.manual_seed(seed)
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
@@ -345,23 +345,44 @@ def test_soak_pool_and_memory_do_not_grow(device):
     assert off.stats().totals.steps == 200
 
 
+def _hooks_seen(model: nn.Module) -> list:
+    """The saved-tensor hooks on top of the stack while each step's first decoder layer runs."""
+    seen: list = []
+    model.model.layers[1].register_forward_pre_hook(
+        lambda m, a: seen.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+    )
+    return seen
+
+
 def test_budget_auto_measures_then_offloads():
     model = make("qwen2")
     ref = run(make("qwen2"), steps=2)
     off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.5)
     assert off.names == DENSE
-    first = run(model, off)
-    assert off.stats().offloaded_bytes == 0 and off.plan is not None
-    got = run(model, off)
+    seen = _hooks_seen(model)
+    first = run(model, off)  # measured: what each scope saves and when; nothing offloaded
+    assert off.stats().offloaded_bytes == 0 and off.plan is None and not off.settled
+    assert seen[-1] is not None
+    run(model, off)  # the reference: the same step with the offloader out of it
+    assert seen[-1] is None  # no saved-tensor hooks while it ran
+    plan = off.plan
+    assert plan is not None and plan.baseline_s > 0 and not plan.trials
+    assert "budget=auto" in str(plan) and plan.reasons and "without offloading" in str(plan)
+    assert plan.chosen  # on this model everything fits under 50%
+    got = run(model, off)  # the plan runs and is measured against the reference
     assert_same(ref, got)
     assert first[0] == got[0]
-    plan = off.plan
-    assert "budget=auto" in str(plan) and plan.reasons
     assert off.stats().offloaded_bytes > 0
-    # The step that ran with the plan was measured against the warm-up step (and the plan shrunk if it
-    # added more than max_overhead: on 2 CPU cores that depends on the machine).
-    assert len(plan.measured_overhead) == 1 and "measured overhead" in str(plan)
+    for _ in range(8):
+        if off.settled:
+            break
+        assert_same(ref, run(model, off))
+    assert off.settled and off.plan.settled
+    plan = off.plan
+    assert len(plan.measured_overhead) >= 1 and "measured overhead" in str(plan)
     assert off.stats().offloaded_bytes >= plan.offload_bytes
+    assert_same(ref, run(model, off))
+    assert off.plan is plan  # settled: nothing measured any more
 
 
 def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):
@@ -370,7 +391,9 @@ def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):
     model = make("qwen2")
     ref = run(make("qwen2"), steps=1)
     off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.9)
-    run(model, off)  # warm-up: measured, nothing offloaded
+    seen = _hooks_seen(model)
+    run(model, off)  # measured, nothing offloaded
+    run(model, off)  # the reference step
     chosen = len(off.plan.chosen)
     assert chosen >= 2
     slow = _transfer.HostCopies.copy_out
@@ -381,15 +404,62 @@ def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):
 
     monkeypatch.setattr(_transfer.HostCopies, "copy_out", staticmethod(slow_copy))
     sizes = []
-    for _ in range(8):
+    for _ in range(10):
         got = run(model, off)
         assert_same(ref, got)  # gradients bit-equal whatever the plan is at each step
-        sizes.append(len(off.plan.chosen))
+        sizes.append(off.stats().offloaded_tensors)
     plan = off.plan
-    assert plan.shrunk >= 1 and plan.chosen == () and sizes[-1] == 0
+    assert plan.settled and plan.shrunk >= 2 and plan.chosen == ()
+    assert [k for k, _ in plan.trials][:2] == [chosen, chosen // 2]  # the whole plan, then half of it
     assert all(m > 0.9 for m in plan.measured_overhead)
     assert "nothing is offloaded" in str(plan) and "shrunk" in str(plan)
-    assert off.stats().offloaded_bytes == 0  # the last steps ran with the empty plan
+    assert sizes[-1] == 0 and seen[-1] is None  # settled on nothing: the offloader stays out of the step
+
+
+def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
+    c = tuple(_actplan.Candidate("core_attn", i, 100, produced_s=float(i)) for i in range(20))
+    plan = _actplan.choose(
+        list(c),
+        budget="auto",
+        d2h_bytes_per_s=1e9,
+        forward_s=100.0,
+        step_s=200.0,
+        activation_bytes=2000,
+        max_overhead=0.05,
+    )
+    assert len(plan.chosen) == 20
+    search = _actplan.PrefixSearch(plan, 1.0, 0.05)
+    steps = 0
+    while not search.done:
+        search.record(1.0 + 0.0099 * search.k)  # each candidate adds ~1% to a 1 s step
+        steps += 1
+    assert len(search.plan.chosen) == 5 and search.plan.chosen == c[:5]
+    assert steps <= 8 and search.plan.trials[0] == (20, pytest.approx(0.198))
+    assert "kept the first 5 of 20" in str(search.plan)
+    # A plan measured within the limit at once is kept whole after one step.
+    search = _actplan.PrefixSearch(plan, 1.0, 0.05)
+    search.record(1.01)
+    assert search.done and len(search.plan.chosen) == 20
+
+
+def test_budget_auto_plans_each_input_shape_apart():
+    model = make("qwen2")
+    ref_short, ref_long = run(make("qwen2")), run(make("qwen2"), length=100)
+    off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.99)
+    for _ in range(10):
+        run(model, off)
+        if off.settled:
+            break
+    assert off.settled and off.plan.chosen
+    short = off.plan
+    got = run(model, off, length=100)  # a new length bucket: measured, not offloaded with the short plan
+    assert_same(ref_long, got)
+    assert off.stats().offloaded_bytes == 0 and len(off.plans) == 1 and off.plan is None
+    run(model, off, length=100)  # its reference step
+    assert off.plan is not short and off.plan.baseline_s > 0 and len(off.plans) == 2
+    got = run(model, off)  # back to the short shape: its settled plan runs at once
+    assert_same(ref_short, got)
+    assert off.plan is short and off.stats().offloaded_bytes >= short.offload_bytes > 0
 
 
 def test_budget_bytes_offloads_until_it_fits():
@@ -400,6 +470,19 @@ def test_budget_bytes_offloads_until_it_fits():
     plan = off.plan
     assert plan.offload_bytes == sum(c.nbytes for c in plan.candidates)
     assert any("budget" in r for r in plan.reasons)
+
+
+def test_plan_counts_a_fixed_cost_per_copy():
+    # Same bytes, produced together: one scope as 1 tensor, the other as 1000 small ones.
+    c = [
+        _actplan.Candidate("attn_norm", 0, 100, produced_s=0.0, count=1),
+        _actplan.Candidate("mlp_norm", 0, 100, produced_s=0.0, count=1000),
+    ]
+    link = dict(d2h_bytes_per_s=100.0, forward_s=3.0, step_s=20.0, activation_bytes=200, max_overhead=0)
+    link["layer_starts"] = {0: 0.0, 1: 1.0, 2: 2.5, 3: 2.8}
+    assert len(_actplan.choose(c, budget="auto", **link).chosen) == 2  # 2 s of copies hide under 3 s
+    plan = _actplan.choose(c, budget="auto", per_copy_s=0.002, **link)  # 1000 copies cost 2 s more
+    assert [x.name for x in plan.chosen] == ["attn_norm"]
 
 
 def test_plan_queue_respects_the_link():

@@ -19,12 +19,13 @@ from .modmap import SHARED_INPUT
 
 @dataclass(frozen=True)
 class Candidate:
-    """Bytes that one (name, layer) scope saved in the warm-up step, and when (seconds from step start)."""
+    """Bytes that one (name, layer) scope saved in the measured step, and when (seconds from step start)."""
 
     name: str
     layer: int
     nbytes: int
     produced_s: float
+    count: int = 1  # tensors: each copy has a fixed cost besides its bytes
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,11 @@ class OffloadPlan(Result):
     finish_s: float
     stall_s: float = 0.0
     reasons: tuple[str, ...] = ()
-    measured_overhead: tuple[float, ...] = ()
-    shrunk: int = 0
+    # budget="auto" closes the loop: the same step without offloading (``baseline_s``), then steps run
+    # with a prefix of the plan, each ``(candidates offloaded, measured overhead)`` in ``trials``.
+    baseline_s: float = 0.0
+    trials: tuple[tuple[int, float], ...] = ()
+    settled: bool = False
 
     @property
     def offload_bytes(self) -> int:
@@ -59,21 +63,19 @@ class OffloadPlan(Result):
         """Seconds the compute is expected to wait for copies (0 when everything hides)."""
         return self.stall_s
 
-    def shrink(self, measured: float, limit: float) -> OffloadPlan:
-        """The plan with ``measured`` (a step's overhead over the warm-up step) recorded and, if it is over
-        ``limit``, the later half of the chosen candidates dropped (the last layers' tensors have the least
-        compute to hide their copies under, going out and coming back)."""
-        seen = (*self.measured_overhead, measured)
-        if measured <= limit or not self.chosen:
-            return replace(self, measured_overhead=seen)
-        keep = self.chosen[: len(self.chosen) // 2]
-        why = (
-            f"measured {measured:.1%} added to the step with {len(self.chosen)} candidates, over the "
-            f"allowed {limit:.1%}: kept the first {len(keep)}" + ("" if keep else "; nothing is offloaded")
-        )
-        return replace(
-            self, chosen=keep, measured_overhead=seen, shrunk=self.shrunk + 1, reasons=(*self.reasons, why)
-        )
+    @property
+    def measured_overhead(self) -> tuple[float, ...]:
+        """Each measured step's time over the unoffloaded step's, minus 1, in the order they ran."""
+        return tuple(m for _, m in self.trials)
+
+    @property
+    def shrunk(self) -> int:
+        """How many measured steps added more than the allowed overhead (and so shrank the plan)."""
+        return sum(1 for m in self.measured_overhead if m > self.allowed_overhead)
+
+    @property
+    def allowed_overhead(self) -> float:
+        return self.allowance_s / self.step_s if self.step_s > 0 else 0.0
 
     def selection(self) -> dict[str, list[int]]:
         """Chosen layers per name."""
@@ -94,11 +96,14 @@ class OffloadPlan(Result):
             f"of {sum(c.nbytes for c in self.candidates) / gib:.3f} GiB offloadable, expected wait "
             f"{self.expected_overhead_s * 1e3:.1f} ms",
         ]
-        if self.measured_overhead:
+        if self.baseline_s:
+            lines.append(f"  the step without offloading: {self.baseline_s * 1e3:.1f} ms")
+        if self.trials:
             lines.append(
-                "  measured overhead over the warm-up step: "
-                + ", ".join(f"{m:+.1%}" for m in self.measured_overhead)
+                "  measured overhead (candidates offloaded: added to the step): "
+                + ", ".join(f"{k}: {m:+.1%}" for k, m in self.trials)
                 + (f" (shrunk {self.shrunk}x)" if self.shrunk else "")
+                + ("; settled" if self.settled else "; still measuring")
             )
         for name, layers in self.selection().items():
             lines.append(f"  {name}: layers {_ranges(layers)}")
@@ -189,6 +194,7 @@ def choose(
     layer_starts: dict[int, float] | None = None,
     lag: int = 2,
     h2d_bytes_per_s: float | None = None,
+    per_copy_s: float = 0.0,
 ) -> OffloadPlan:
     """Pick candidates so that copies hide under the forward pass (``budget="auto"``), or so that at most
     ``budget`` bytes of activations stay on the device, hiding as much as possible.
@@ -197,7 +203,9 @@ def choose(
     (a copy ending later does not lower the peak) and the compute's waits for copies, ``lag`` layers
     behind (``layer_starts``: seconds from step start per layer; derived from the candidates if absent),
     stay within the allowance, together with the backward pass's waits for the reloads
-    (:func:`_backward_stall`; ``h2d_bytes_per_s`` defaults to the D2H rate).
+    (:func:`_backward_stall`; ``h2d_bytes_per_s`` defaults to the D2H rate). Each tensor's copy costs
+    ``per_copy_s`` besides its bytes (issuing it and its hooks), so many small tensors cost more than their
+    bytes say.
     """
     assert d2h_bytes_per_s > 0 and forward_s >= 0
     allowance = max_overhead * step_s
@@ -207,13 +215,19 @@ def choose(
         for c in candidates:
             layer_starts[c.layer] = min(layer_starts.get(c.layer, c.produced_s), c.produced_s)
     order = sorted(candidates, key=lambda c: (c.layer, c.produced_s, -c.nbytes))
+    # The fixed cost per copy, as the bytes the link would move in that time.
+    timed = {c: replace(c, nbytes=c.nbytes + round(c.count * per_copy_s * d2h_bytes_per_s)) for c in order}
     h2d = h2d_bytes_per_s or d2h_bytes_per_s
     layers = sorted(layer_starts)
     backward_s = max(step_s - forward_s, 0.0)
 
     def waits(items: list[Candidate]) -> float:
+        items = [timed[c] for c in items]
         fwd = _stall(items, d2h_bytes_per_s, layer_starts, lag)
         return fwd + _backward_stall(items, h2d, layers, backward_s)
+
+    def drain(items: list[Candidate]) -> float:
+        return _drain([timed[c] for c in items], d2h_bytes_per_s)
 
     chosen: list[Candidate] = []
     reasons: list[str] = []
@@ -222,7 +236,7 @@ def choose(
         trial = [*chosen, c]
         if not _allowed(c, chosen):
             continue
-        if _drain(trial, d2h_bytes_per_s) > deadline:
+        if drain(trial) > deadline:
             late += 1
         elif waits(trial) > allowance + 1e-6:  # a microsecond: below what the measurements resolve
             stalled += 1
@@ -272,7 +286,7 @@ def choose(
                 f"budget {budget / GiB:.3f} GiB met by {have / GiB:.3f} GiB of copies that hide; "
                 "nothing more is offloaded"
             )
-    finish = _drain(chosen, d2h_bytes_per_s) if chosen else 0.0
+    finish = drain(chosen) if chosen else 0.0
     stall = waits(chosen) if chosen else 0.0
     return OffloadPlan(
         budget=str(budget),
@@ -287,3 +301,56 @@ def choose(
         stall_s=stall,
         reasons=tuple(reasons),
     )
+
+
+class PrefixSearch:
+    """The closed loop of ``budget="auto"``: the longest prefix of a plan's candidates (earliest layers
+    first) whose measured step stays within ``limit`` over the unoffloaded one, found by bisection.
+
+    The whole plan is measured first; while a prefix adds too much, the search halves towards the longest
+    one measured within the limit, and stops when the gap is under ``resolution`` of the plan or after
+    ``tries`` measured steps, keeping the longest prefix measured within the limit (none, if none was).
+    """
+
+    def __init__(self, plan: OffloadPlan, baseline_s: float, limit: float, *, tries: int = 8) -> None:
+        assert baseline_s > 0 and tries >= 1
+        self._full = plan.chosen
+        self._limit = limit
+        self._tries = tries
+        self._lo, self._hi = 0, len(self._full) + 1  # longest prefix measured good, shortest measured bad
+        self._step = max(1, len(self._full) // 16)
+        self.k = len(self._full)  # the prefix the next step runs with
+        self.plan = replace(plan, baseline_s=baseline_s, settled=not self._full)
+        self._baseline = baseline_s
+
+    @property
+    def done(self) -> bool:
+        return self.plan.settled
+
+    def record(self, step_s: float) -> OffloadPlan:
+        """Record a step that ran with the current prefix; returns the plan to run next."""
+        assert not self.done
+        over = step_s / self._baseline - 1
+        trials = (*self.plan.trials, (self.k, over))
+        reasons = list(self.plan.reasons)
+        if over <= self._limit:
+            self._lo = self.k
+        else:
+            self._hi = self.k
+            reasons.append(
+                f"{self.k} candidates added {over:.1%} to the step, over the allowed {self._limit:.1%}"
+            )
+        if self._hi - self._lo <= self._step or len(trials) >= self._tries:
+            self.k = self._lo
+            settled = True
+            if self._lo == 0:
+                reasons.append("nothing is offloaded: every plan measured added more than allowed")
+            elif self._lo < len(self._full):
+                reasons.append(f"kept the first {self._lo} of {len(self._full)} candidates")
+        else:
+            self.k = (self._lo + self._hi) // 2
+            settled = False
+        self.plan = replace(
+            self.plan, chosen=self._full[: self.k], trials=trials, settled=settled, reasons=tuple(reasons)
+        )
+        return self.plan

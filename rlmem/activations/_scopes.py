@@ -75,7 +75,7 @@ def install(off: ActivationOffloader) -> list[Any]:
             elif id(t.module) in inside and t.param is None:
                 hooks += _scope_hooks(off, t, None)
     for i, (_, layer) in enumerate(lm.layers):
-        hooks.append(layer.register_forward_pre_hook(_layer_start(off, i)))
+        hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=i == 0))
     return hooks
 
 
@@ -116,6 +116,15 @@ def _scope_hooks(off: ActivationOffloader, t: Target, name: str | None) -> list[
 
 
 def _layer_start(off: ActivationOffloader, i: int) -> Any:
+    if i == 0:
+
+        def first(mod: nn.Module, args: Any, kwargs: Any) -> None:
+            off._first_layer(args, kwargs)
+            if off._live():
+                off._layer_started(0)
+
+        return first
+
     def pre(mod: nn.Module, args: Any) -> None:
         if off._live():
             off._layer_started(i)

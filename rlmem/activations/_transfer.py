@@ -101,6 +101,26 @@ class CudaCopies:
             best = min(best, a.elapsed_time(b) / 1e3)
         return nbytes / max(best, 1e-9)
 
+    def copy_cost(self, host: torch.Tensor, size: int) -> float:
+        """Fixed seconds per copy besides its bytes: ``host`` cut into copies of ``size`` bytes, issued
+        through :meth:`copy_out` as the offloader does; the longer of the host's time to issue one and the
+        device's time to run one."""
+        n = host.numel() // size
+        src = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+        self.copy_out(src[:size], host[:size])  # first use of the stream
+        torch.cuda.synchronize(self.device)
+        a = torch.cuda.Event(enable_timing=True)
+        a.record(self._d2h)
+        t0 = time.perf_counter()
+        for k in range(n):
+            done = self.copy_out(src[k * size : (k + 1) * size], host[k * size : (k + 1) * size])
+        issue = (time.perf_counter() - t0) / n
+        b = torch.cuda.Event(enable_timing=True)
+        b.record(self._d2h)
+        b.synchronize()
+        del done
+        return max(issue, a.elapsed_time(b) / 1e3 / n)
+
 
 class HostCopies:
     """Synchronous copies between host tensors (the host backend)."""
@@ -156,6 +176,15 @@ class HostCopies:
             host.copy_(src)
             best = min(best, time.perf_counter() - t0)
         return nbytes / max(best, 1e-9)
+
+    @staticmethod
+    def copy_cost(host: torch.Tensor, size: int) -> float:
+        n = host.numel() // size
+        src = torch.empty(host.numel(), dtype=torch.uint8)
+        t0 = time.perf_counter()
+        for k in range(n):
+            host[k * size : (k + 1) * size].copy_(src[k * size : (k + 1) * size])
+        return (time.perf_counter() - t0) / n
 
 
 def make_copies(device: torch.device) -> CudaCopies | HostCopies:

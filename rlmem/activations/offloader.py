@@ -38,7 +38,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .._results import Result
-from . import _budget, _scopes
+from . import _autoplan, _budget, _scopes
 from ._pool import HostPool
 from ._saved import Entry, Kept, Packed, eligible, storage_bytes, version_error, view_of
 from ._transfer import make_copies
@@ -59,7 +59,6 @@ CHECKPOINT_INPUT = "checkpoint_input"
 # At the start of layer i, the compute stream waits for the copies of layers <= i - RELEASE_LAG and their
 # device memory is freed: one layer of compute to hide each layer's copies behind.
 RELEASE_LAG = 2
-_VERIFY_TRIES = 6  # budget="auto": steps measured with the plan, shrinking it each time it is over
 current = _scopes.current
 
 _STEP_FIELDS = (
@@ -159,7 +158,6 @@ class ActivationOffloader:
         self.prefetch = prefetch
         self.layer_map = layer_map
         self._layer_ids = {id(m) for _, m in layer_map.layers}  # read by rlmem.checkpoint
-        self.plan: _budget.OffloadPlan | None = None
         self._hooks: list[Any] = []
         self._active = False
         self._scope: list[tuple[str, int] | None] = []
@@ -173,9 +171,9 @@ class ActivationOffloader:
         self._fetched: set[int] = set()
         self._selected: set[tuple[str, int]] | None = None
         self._measure: dict[tuple[str, int], list[Any]] | None = None
-        # budget="auto": the plan is checked against the warm-up step on the steps after it is made, and
-        # shrunk until the measured overhead is within max_overhead (at most _VERIFY_TRIES times).
-        self._verify: dict[str, Any] | None = None
+        # Budget mode: what each step does (measure, reference, check a plan, run it) per input shape.
+        self._control = None if budget is None else _autoplan.BudgetControl(budget, max_overhead, RELEASE_LAG)
+        self._bypass = False  # this step runs without the offloader (the budget mode's reference step)
         self._seen: set[int] = set()
         self._times: dict[str, Any] = {}
         self._totals = {"steps": 0, "offloaded_bytes": 0, "reloaded_bytes": 0}
@@ -189,8 +187,6 @@ class ActivationOffloader:
         if not enabled:
             return
         self._pool = HostPool(self.device.index if self.device.type == "cuda" else None)
-        if budget is not None:
-            self._measure = {}
         self._hooks = _scopes.install(self)
 
     # ----------------------------------------------------------------- scopes
@@ -202,7 +198,43 @@ class ActivationOffloader:
 
     def _live(self) -> bool:
         # Not while backward runs: a checkpoint's recomputation needs its tensors at once.
-        return self._active and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+        return (
+            self._active
+            and not self._bypass
+            and torch.is_grad_enabled()
+            and torch._C._current_graph_task_id() == -1
+        )
+
+    def _first_layer(self, args: tuple, kwargs: dict) -> None:
+        """Budget mode: the step's input shape is known; a shape other than the last step's is planned on
+        its own (measured now if it is new)."""
+        c = self._control
+        if c is None or not self._active or c.key_seen:
+            return
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        if c.first_layer(_autoplan.shape_key(args, kwargs), self._bypass):
+            self._measure = {} if c.mode == _autoplan.PROFILE else None
+            self._selected = None if c.mode == _autoplan.PROFILE else c.selection()
+
+    @property
+    def plan(self) -> _budget.OffloadPlan | None:
+        """Budget mode: the plan of the last step's input shape (``None`` before its first step)."""
+        return None if self._control is None else self._control.current_plan(self._control.expect)
+
+    @property
+    def plans(self) -> dict[int | None, _budget.OffloadPlan]:
+        """Budget mode: the plan per input-shape bucket (the bit length of the first layer's input size)."""
+        c = self._control
+        if c is None:
+            return {}
+        return {k: p for k in c.shapes if (p := c.current_plan(k)) is not None}
+
+    @property
+    def settled(self) -> bool:
+        """Whether the next step runs a settled plan (always, without a budget): the budget mode measures
+        and checks its plan on the first steps of each input shape."""
+        return self._control is None or self._control.settled
 
     def _push(self, scope: tuple[str, int] | None) -> None:
         self._scope.append(scope)
@@ -265,8 +297,9 @@ class ActivationOffloader:
             key = storage.data_ptr()
             if key not in self._seen:
                 self._seen.add(key)
-                rec = self._measure.setdefault(scope, [0, None])
+                rec = self._measure.setdefault(scope, [0, None, 0])
                 rec[0] += nbytes
+                rec[2] += 1
                 if rec[1] is None:
                     rec[1] = self._copies.mark()
             return Kept(t)
@@ -443,9 +476,21 @@ class ActivationOffloader:
             )
         self._active = True
         self._step = self._new_step()
-        self._times = {"start": self._copies.mark()}
-        if self._measure is not None:
-            self._times["alloc_start"] = self._copies.allocated()
+        c = self._control
+        if c is not None:
+            mode = c.begin()
+            self._bypass = mode in (_autoplan.BASELINE, _autoplan.IDLE)
+            self._measure = {} if mode == _autoplan.PROFILE else None
+            self._selected = None if mode == _autoplan.PROFILE else c.selection()
+            self._times = (
+                {}
+                if mode == _autoplan.IDLE
+                else {"start": self._copies.mark(), "alloc_start": self._copies.allocated()}
+            )
+            if self._bypass:
+                return self
+        else:
+            self._times = {}
         _scopes.enter(self)
         # Outside the chosen modules the hooks only look up storages already offloaded (see _pack).
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack_fn, self._unpack_fn)
@@ -455,6 +500,13 @@ class ActivationOffloader:
         if not self.enabled or not self._active:
             return
         self._active = False
+        c = self._control
+        if self._bypass:
+            self._bypass = False
+            self._finish_step()
+            if exc[0] is None and c is not None:
+                c.end(self, None)
+            return
         _scopes.leave(self)
         while self._scope:
             self._pop()
@@ -464,12 +516,13 @@ class ActivationOffloader:
                 mode.__exit__(None, None, None)
         torch._C._autograd._pop_saved_tensors_default_hooks()
         self._finish_step()
-        if exc[0] is not None:
+        if exc[0] is not None or c is None:
             return
-        if self._measure is not None:
-            self._make_plan()
-        elif self._verify is not None:
-            self._check_plan()
+        measured, self._measure = self._measure, None
+        before = self.plan
+        c.end(self, measured)
+        if self.plan is not before and self.plan is not None and self.plan.settled:
+            log.info("%s", self.plan)
 
     def _finish_step(self) -> None:
         if self._inflight:
@@ -499,67 +552,6 @@ class ActivationOffloader:
         step: dict[str, Any] = dict.fromkeys(_STEP_FIELDS, 0)
         step["by_name"] = {}
         return step
-
-    # ---------------------------------------------------------- budget mode
-    def _make_plan(self) -> None:
-        assert self._measure is not None and self._pool is not None
-        measured, self._measure = self._measure, None
-        times, copies = self._times, self._copies
-        end = copies.mark()
-        copies.synchronize()  # once, after the warm-up step, to read its events
-        start = times["start"]
-        cands = [
-            _budget.Candidate(name, layer, nbytes, copies.elapsed(start, t0))
-            for (name, layer), (nbytes, t0) in measured.items()
-        ]
-        total = sum(c.nbytes for c in cands)
-        if copies.asynchronous:
-            act = max(0, int(self._step["allocated_at_backward"] - times["alloc_start"])) or total
-        else:
-            act = total
-        probe = max(min(total, 512 << 20), 1 << 20)
-        self._pool.reserve(probe)
-        rate = copies.link_rate(self._pool.alloc(probe))
-        self._pool.reset()
-        budget = self.budget if self.budget == "auto" else int(self.budget)  # type: ignore[arg-type]
-        layer_starts = {i: copies.elapsed(start, t) for i, t in times.get("layers", {}).items()}
-        plan = _budget.choose(
-            cands,
-            layer_starts=layer_starts or None,
-            lag=RELEASE_LAG,
-            budget=budget,
-            d2h_bytes_per_s=rate,
-            forward_s=copies.elapsed(start, times.get("backward_start", end)),
-            step_s=copies.elapsed(start, end),
-            activation_bytes=act,
-            max_overhead=self.max_overhead,
-        )
-        self.plan = plan
-        self._selected = {(c.name, c.layer) for c in plan.chosen}
-        if budget == "auto" and plan.chosen:
-            self._verify = {"baseline_s": plan.step_s, "tries": 0}
-        if plan.offload_bytes:
-            self._pool.reserve(plan.offload_bytes + (64 << 20))
-        log.info("%s", plan)
-
-    def _check_plan(self) -> None:
-        """Measure the step that ran with the plan (one host sync) and shrink the plan if it added more
-        than ``max_overhead`` to the warm-up step: the copies' and hooks' own costs are in the measurement,
-        not in the model the plan was chosen by."""
-        assert self._verify is not None and self.plan is not None
-        end = self._copies.mark()
-        self._copies.synchronize()
-        step = self._copies.elapsed(self._times["start"], end)
-        v = self._verify
-        measured = step / max(v["baseline_s"], 1e-9) - 1
-        plan = self.plan.shrink(measured, self.max_overhead)
-        v["tries"] += 1
-        if plan.chosen == self.plan.chosen or not plan.chosen or v["tries"] >= _VERIFY_TRIES:
-            self._verify = None
-        self.plan = plan
-        self._selected = {(c.name, c.layer) for c in plan.chosen}
-        if plan.shrunk:
-            log.info("%s", plan)
 
     # ------------------------------------------------------------ reporting
     def stats(self) -> ActivationStats:

@@ -211,8 +211,10 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
     peak = peak_fwd = 0
     handle = None
     try:
-        warm = 4 if name == "rlmem:auto" else 1  # measure, then check the plan
-        for i in range(warm + steps):
+        # budget="auto" measures a step, then the step without offloading, then checks its plan on the
+        # steps after (until the handle says it has settled); the timed steps run the settled plan.
+        warm, i = 1, 0
+        while i < warm + steps:
             model.zero_grad(set_to_none=True)
             gc.collect()
             torch.cuda.synchronize(device)
@@ -237,6 +239,9 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
                 peak_fwd = max(peak_fwd, fwd_peak)
                 if name == "none":
                     fwd.append(tf)
+            i += 1
+            if i == warm and name == "rlmem:auto" and not handle.settled and warm < 16:
+                warm += 1
         out: dict[str, Any] = {
             "step_s": median(times),
             "peak_bytes": peak,
@@ -260,6 +265,9 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
             if getattr(handle, "plan", None) is not None:
                 out["plan"] = handle.plan.selection()
                 out["plan_report"] = str(handle.plan)
+                out["plan_trials"] = [list(t) for t in handle.plan.trials]
+                out["plan_baseline_s"] = handle.plan.baseline_s
+                out["warm_steps"] = warm
     except torch.OutOfMemoryError:
         out = {"error": "out of memory"}
     finally:

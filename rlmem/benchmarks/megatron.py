@@ -291,9 +291,14 @@ def _act_row(
         else:
             handle = offload_activations(model, list(DENSE_NAMES) if what == "all" else what.split("+"))
     times, fwds, peaks = [], [], []
-    warm = 4 if who == "rlmem:auto" else 1  # measure, then check the plan
+    # budget="auto" measures a step, the step without offloading, then checks its plan until it settles.
+    warm = 1
     try:
-        for i in range(warm + steps):
+        for i in range(64):
+            if i >= warm + steps:
+                break
+            if handle is not None and i == warm and not handle.settled and warm < 16:
+                warm += 1
             model.zero_grad(set_to_none=True)
             gc.collect()
             torch.cuda.synchronize()

@@ -1,0 +1,184 @@
+"""The budget mode's loop, per input shape: measure a step (nothing offloaded), measure the same step with
+the offloader out of the way, choose a plan from both, then measure the steps that run with it and shrink
+it until it adds no more than ``max_overhead`` (``_budget.PrefixSearch``).
+
+The step without the offloader is the reference because the measured step is not: recording what every
+scope saves costs time of its own, and the first step of a process pays for warming caches. A plan checked
+against either would pass while adding more than it may. Shapes are keyed by a power-of-two bucket of the
+first decoder layer's input, so a new sequence-length bucket is measured and planned on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _budget
+
+if TYPE_CHECKING:
+    from .offloader import ActivationOffloader
+
+PROFILE = "profile"  # record what each scope saves and when; nothing offloaded
+BASELINE = "baseline"  # the offloader stays out of the step: its time is the reference
+TRIAL = "trial"  # offload a prefix of the plan and measure the step
+RUN = "run"  # offload the settled plan; nothing measured, no host sync
+IDLE = "idle"  # the settled plan is empty: the offloader stays out of the step
+
+_TRIES = 8  # measured steps per shape before the search keeps what it has
+_SMALL, _SMALL_COPIES = 4096, 32  # the fixed cost of a copy is timed on this many copies of this size
+
+
+def shape_key(args: tuple, kwargs: dict) -> int | None:
+    """Power-of-two bucket of the first decoder layer's input size (its hidden states)."""
+    t = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
+    return int(t.numel()).bit_length() if isinstance(t, torch.Tensor) else None
+
+
+@dataclass
+class _Shape:
+    profile: dict[str, Any] | None = None  # the measured step's figures, waiting for the reference step
+    plan: _budget.OffloadPlan | None = None
+    search: _budget.PrefixSearch | None = None
+
+
+class BudgetControl:
+    """What each step of a budget-mode handle does, and what it learns from it."""
+
+    def __init__(self, budget: str | int, max_overhead: float, lag: int) -> None:
+        self.budget = budget
+        self.max_overhead = max_overhead
+        self.lag = lag
+        self.shapes: dict[int | None, _Shape] = {}
+        self.expect: int | None = None  # the shape of the last step: the next one is planned for it
+        self.mode = RUN
+        self.key: int | None = None  # this step's shape, once its first layer ran
+        self.key_seen = False
+        self._entered_for: int | None = None
+
+    # ------------------------------------------------------------- per step
+    def mode_for(self, key: int | None) -> str:
+        s = self.shapes.get(key)
+        if s is None:
+            return PROFILE
+        if s.plan is None:
+            return BASELINE
+        if s.search is not None and not s.search.done:
+            return TRIAL
+        return RUN if s.plan.chosen else IDLE
+
+    def begin(self) -> str:
+        self._entered_for = self.expect
+        self.key = self.expect
+        self.key_seen = False
+        self.mode = self.mode_for(self.expect)
+        return self.mode
+
+    def first_layer(self, key: int | None, bypass: bool) -> bool:
+        """The step's shape is known; returns whether the mode changed (the step's shape is not the one it
+        was entered for). A step the offloader stays out of cannot start offloading: it runs as it is."""
+        self.key = key
+        self.key_seen = True
+        if key == self._entered_for or bypass:
+            return False
+        mode = self.mode_for(key)
+        self.mode = RUN if mode in (BASELINE, IDLE) else mode
+        return True
+
+    def selection(self) -> set[tuple[str, int]]:
+        plan = self.current_plan(self.key)
+        return set() if plan is None else {(c.name, c.layer) for c in plan.chosen}
+
+    def current_plan(self, key: int | None) -> _budget.OffloadPlan | None:
+        s = self.shapes.get(key)
+        if s is None:
+            return None
+        return s.search.plan if s.search is not None else s.plan
+
+    @property
+    def settled(self) -> bool:
+        return self.mode_for(self.expect) in (RUN, IDLE)
+
+    # --------------------------------------------------------------- learning
+    def end(self, off: ActivationOffloader, measured: dict[tuple[str, int], list[Any]] | None) -> None:
+        """Learn from the step that just ended (one host sync when it was measured)."""
+        mode, key = self.mode, self.key
+        self.expect = key
+        copies = off._copies
+        if mode == PROFILE:
+            assert measured is not None
+            self._profiled(off, key, measured)
+        elif mode == BASELINE and key == self._entered_for:
+            end = copies.mark()
+            copies.synchronize()
+            self._plan(off, key, copies.elapsed(off._times["start"], end))
+        elif mode == TRIAL:
+            s = self.shapes[key]
+            assert s.search is not None
+            end = copies.mark()
+            copies.synchronize()
+            s.plan = s.search.record(copies.elapsed(off._times["start"], end))
+
+    def _profiled(self, off: ActivationOffloader, key: int | None, measured: dict) -> None:
+        times, copies = off._times, off._copies
+        end = copies.mark()
+        copies.synchronize()  # once, after the measured step, to read its events
+        start = times["start"]
+        cands = [
+            _budget.Candidate(name, layer, nbytes, copies.elapsed(start, t0), count)
+            for (name, layer), (nbytes, t0, count) in measured.items()
+        ]
+        total = sum(c.nbytes for c in cands)
+        if copies.asynchronous:
+            act = max(0, int(off._step["allocated_at_backward"] - times["alloc_start"])) or total
+        else:
+            act = total
+        assert off._pool is not None
+        probe = max(min(total, 512 << 20), 1 << 20)
+        off._pool.reserve(probe)
+        rate = copies.link_rate(off._pool.alloc(probe))
+        off._pool.reset()
+        off._pool.reserve(_SMALL * _SMALL_COPIES)
+        per_copy = copies.copy_cost(off._pool.alloc(_SMALL * _SMALL_COPIES), _SMALL)
+        off._pool.reset()
+        profile = {
+            "candidates": cands,
+            "layer_starts": {i: copies.elapsed(start, t) for i, t in times.get("layers", {}).items()},
+            "forward_s": copies.elapsed(start, times.get("backward_start", end)),
+            "step_s": copies.elapsed(start, end),
+            "activation_bytes": act,
+            "rate": rate,
+            "per_copy_s": per_copy,
+        }
+        s = self.shapes[key] = _Shape(profile=profile)
+        if self.budget != "auto":  # a byte budget must be met, hidden or not: no reference, no search
+            self._plan(off, key, 0.0)
+            s.plan = replace(s.plan, settled=True)  # type: ignore[arg-type]
+
+    def _plan(self, off: ActivationOffloader, key: int | None, baseline_s: float) -> None:
+        s = self.shapes[key]
+        p = s.profile
+        assert p is not None
+        # The measured step ran slower than the reference: its times are scaled to the reference's.
+        r = baseline_s / p["step_s"] if baseline_s > 0 and p["step_s"] > 0 else 1.0
+        plan = _budget.choose(
+            [replace(c, produced_s=c.produced_s * r) for c in p["candidates"]],
+            layer_starts={i: t * r for i, t in p["layer_starts"].items()} or None,
+            lag=self.lag,
+            budget=self.budget if self.budget == "auto" else int(self.budget),
+            d2h_bytes_per_s=p["rate"],
+            forward_s=p["forward_s"] * r,
+            step_s=p["step_s"] * r,
+            activation_bytes=p["activation_bytes"],
+            max_overhead=self.max_overhead,
+            per_copy_s=p["per_copy_s"],
+        )
+        s.profile = None
+        if self.budget == "auto":
+            s.search = _budget.PrefixSearch(plan, baseline_s, self.max_overhead, tries=_TRIES)
+            plan = s.search.plan
+        s.plan = plan
+        assert off._pool is not None
+        if plan.offload_bytes:
+            off._pool.reserve(plan.offload_bytes + (64 << 20))
