@@ -45,14 +45,20 @@ def leave(off: ActivationOffloader) -> None:
 class _ParamCalls(TorchFunctionMode):
     """Scopes the calls inside a module that take one of its parameters (fused experts' first matmul)."""
 
-    def __init__(self, off: ActivationOffloader, name: str, layer: int, ptr: int) -> None:
+    def __init__(self, off: ActivationOffloader, name: str, layer: int, param: torch.Tensor) -> None:
         super().__init__()
-        self._off, self._name, self._layer, self._ptr = off, name, layer, ptr
+        self._off, self._name, self._layer = off, name, layer
+        storage = param.untyped_storage()
+        self._lo = storage.data_ptr()
+        self._hi = self._lo + storage.nbytes()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        # Every op inside the module comes here: the test is an address range (a view of the parameter,
+        # one expert's slice, lies inside it), not a storage lookup.
+        lo, hi = self._lo, self._hi
         for a in args:
-            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self._ptr:
+            if isinstance(a, torch.Tensor) and lo <= a.data_ptr() < hi:
                 with self._off.scope(self._name, self._layer):
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
@@ -81,15 +87,16 @@ def install(off: ActivationOffloader) -> list[Any]:
 
 def _scope_hooks(off: ActivationOffloader, t: Target, name: str | None) -> list[Any]:
     layer = t.layer
+    scope = None if name is None else (name, layer)
     if t.param is not None:
         pname = t.param
         modes = off._modes
 
         def pre_param(mod: nn.Module, args: Any) -> None:
-            if not off._live():
+            if not off._live() or not off._wants(scope):
                 modes.append(None)
                 return
-            mode = _ParamCalls(off, t.name, layer, getattr(mod, pname).untyped_storage().data_ptr())
+            mode = _ParamCalls(off, t.name, layer, getattr(mod, pname))
             mode.__enter__()
             modes.append(mode)
 
@@ -104,10 +111,8 @@ def _scope_hooks(off: ActivationOffloader, t: Target, name: str | None) -> list[
             t.module.register_forward_hook(post_param, always_call=True),
         ]
 
-    scope = None if name is None else (name, layer)
-
     def pre(mod: nn.Module, args: Any) -> None:
-        off._push(scope if off._live() else None)
+        off._push(scope if scope is not None and off._live() and off._wants(scope) else None)
 
     def post(mod: nn.Module, args: Any, out: Any) -> None:
         off._pop()

@@ -205,6 +205,10 @@ class ActivationOffloader:
             and torch._C._current_graph_task_id() == -1
         )
 
+    def _wants(self, scope: tuple[str, int]) -> bool:
+        # A scope the plan did not choose opens no hooks of its own: its tensors take the shared path.
+        return self._selected is None or scope in self._selected
+
     def _first_layer(self, args: tuple, kwargs: dict) -> None:
         """Budget mode: the step's input shape is known; a shape other than the last step's is planned on
         its own (measured now if it is new)."""
