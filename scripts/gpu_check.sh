@@ -32,7 +32,8 @@ fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, platform; from importlib.metadata import version as v
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
-      "nccl", torch.cuda.nccl.version(), "cuda-bindings", v("cuda-bindings"), "gpus", torch.cuda.device_count())'
+      "nccl", torch.cuda.nccl.version(), "cuda-bindings", v("cuda-bindings"), "transformers", v("transformers"),
+      "gpus", torch.cuda.device_count())'
   grep -E 'MemTotal|MemAvailable|HugePages_Total' /proc/meminfo
   cat /sys/kernel/mm/transparent_hugepage/enabled
   nproc
