@@ -385,6 +385,22 @@ def test_budget_auto_measures_then_offloads():
     assert off.plan is plan  # settled: nothing measured any more
 
 
+def test_layers_with_nothing_chosen_run_without_hooks():
+    model = make("qwen2")
+    ref = run(make("qwen2"))
+    only0 = rlmem.ModuleMap(layers="model.layers.*", modules={"attn_norm": "model.layers.0.input_layernorm"})
+    off = rlmem.offload_activations(model, ["attn_norm"], min_bytes=0, module_map=only0)
+    seen = {i: [] for i in range(3)}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_pre_hook(
+            lambda m, a, i=i: seen[i].append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        )
+    assert_same(ref, run(model, off))
+    assert off.stats().offloaded_bytes > 0
+    # Layer 0 has a chosen module: its other tensors pass the hooks (they may share an offloaded storage).
+    assert seen[0][-1] is not None and seen[1][-1] is None and seen[2][-1] is None
+
+
 def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):
     from rlmem.activations import _transfer
 

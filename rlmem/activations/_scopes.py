@@ -81,7 +81,9 @@ def install(off: ActivationOffloader) -> list[Any]:
             elif id(t.module) in inside and t.param is None:
                 hooks += _scope_hooks(off, t, None)
     for i, (_, layer) in enumerate(lm.layers):
-        hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=i == 0))
+        # Outermost on the layer (it may itself be a chosen module): first in, last out.
+        hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=i == 0, prepend=True))
+        hooks.append(layer.register_forward_hook(lambda *_: off._pop(), always_call=True))
     return hooks
 
 
@@ -125,13 +127,11 @@ def _layer_start(off: ActivationOffloader, i: int) -> Any:
 
         def first(mod: nn.Module, args: Any, kwargs: Any) -> None:
             off._first_layer(args, kwargs)
-            if off._live():
-                off._layer_started(0)
+            off._enter_layer(0)
 
         return first
 
     def pre(mod: nn.Module, args: Any) -> None:
-        if off._live():
-            off._layer_started(i)
+        off._enter_layer(i)
 
     return pre

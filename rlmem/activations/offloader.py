@@ -3,10 +3,12 @@ during the forward pass and come back, one layer ahead, during the backward pass
 
 Mechanics (why each is there):
 
-- Saved-tensor hooks scope the chosen modules (forward pre-hook to forward hook). Outside them a hook only
-  looks up storages already offloaded: a tensor saved in a chosen module and again outside it (a norm's
-  output is the next projection's input) shares the copy, otherwise the device storage would stay held.
-  Tensors kept on the device get autograd's in-place check from the hooks.
+- Saved-tensor hooks scope the chosen modules (forward pre-hook to forward hook). In a decoder layer with a
+  chosen module, a hook outside it only looks up storages already offloaded: a tensor saved in a chosen
+  module and again outside it (a norm's output is the next projection's input) shares the copy, otherwise
+  the device storage would stay held. Tensors kept on the device get autograd's in-place check from the
+  hooks. Layers with nothing chosen run without hooks: a Python call per saved tensor costs the host more
+  than the copies do on small layers.
 - Each copy runs on a dedicated device-to-host stream, ordered after the producing kernel by an event, into
   a host pool allocated once and reused every step (page-locked on a GPU). The device tensor is released as
   soon as its copy's event has completed (polled, never synchronised).
@@ -170,6 +172,10 @@ class ActivationOffloader:
         self._groups: dict[int, list[Entry]] = {}
         self._fetched: set[int] = set()
         self._selected: set[tuple[str, int]] | None = None
+        # Layers whose saved tensors pass through the hooks: those with a chosen scope. The others run
+        # with no Python in their saved tensors' path (a hook call per saved tensor costs the host).
+        self._all_layers = {t.layer for n in names for t in layer_map.targets.get(n, [])}
+        self._hook_layers = self._all_layers
         self._measure: dict[tuple[str, int], list[Any]] | None = None
         # Budget mode: what each step does (measure, reference, check a plan, run it) per input shape.
         self._control = None if budget is None else _autoplan.BudgetControl(budget, max_overhead, RELEASE_LAG)
@@ -205,9 +211,19 @@ class ActivationOffloader:
             and torch._C._current_graph_task_id() == -1
         )
 
+    def _select(self, selected: set[tuple[str, int]] | None) -> None:
+        self._selected = selected
+        self._hook_layers = self._all_layers if selected is None else {layer for _, layer in selected}
+
     def _wants(self, scope: tuple[str, int]) -> bool:
         # A scope the plan did not choose opens no hooks of its own: its tensors take the shared path.
         return self._selected is None or scope in self._selected
+
+    def _enter_layer(self, i: int) -> None:
+        live = self._live()
+        self._push(None, hooks=live and i in self._hook_layers)
+        if live:
+            self._layer_started(i)
 
     def _first_layer(self, args: tuple, kwargs: dict) -> None:
         """Budget mode: the step's input shape is known; a shape other than the last step's is planned on
@@ -219,7 +235,7 @@ class ActivationOffloader:
             return
         if c.first_layer(_autoplan.shape_key(args, kwargs), self._bypass):
             self._measure = {} if c.mode == _autoplan.PROFILE else None
-            self._selected = None if c.mode == _autoplan.PROFILE else c.selection()
+            self._select(None if c.mode == _autoplan.PROFILE else c.selection())
 
     @property
     def plan(self) -> _budget.OffloadPlan | None:
@@ -240,10 +256,13 @@ class ActivationOffloader:
         and checks its plan on the first steps of each input shape."""
         return self._control is None or self._control.settled
 
-    def _push(self, scope: tuple[str, int] | None) -> None:
+    def _push(self, scope: tuple[str, int] | None, *, hooks: bool = False) -> None:
+        """Enter a scope (``None``: not offloaded); ``hooks``: route saved tensors through this handle's
+        hooks even without a scope (a chosen layer: its tensors may share a storage with an offloaded one).
+        """
         self._scope.append(scope)
         push = False
-        if scope is not None:
+        if scope is not None or hooks:
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
             if top is None or top[0] is self._pack_fn:
                 push = True
@@ -485,7 +504,7 @@ class ActivationOffloader:
             mode = c.begin()
             self._bypass = mode in (_autoplan.BASELINE, _autoplan.IDLE)
             self._measure = {} if mode == _autoplan.PROFILE else None
-            self._selected = None if mode == _autoplan.PROFILE else c.selection()
+            self._select(None if mode == _autoplan.PROFILE else c.selection())
             self._times = (
                 {}
                 if mode == _autoplan.IDLE
@@ -496,8 +515,6 @@ class ActivationOffloader:
         else:
             self._times = {}
         _scopes.enter(self)
-        # Outside the chosen modules the hooks only look up storages already offloaded (see _pack).
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack_fn, self._unpack_fn)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -518,7 +535,6 @@ class ActivationOffloader:
             mode = self._modes.pop()
             if mode is not None:
                 mode.__exit__(None, None, None)
-        torch._C._autograd._pop_saved_tensors_default_hooks()
         self._finish_step()
         if exc[0] is not None or c is None:
             return
