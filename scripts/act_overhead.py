@@ -67,7 +67,7 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
         off.remove()
         return
-    rows = [("none", timed(contextlib.nullcontext), 0)]
+    rows = [("none", timed(contextlib.nullcontext, steps=12), 0)]
     for label, mods, mb in [
         ("hooks, nothing offloaded", names, 1 << 62),
         ("attn_norm", ["attn_norm"], 1 << 20),
@@ -90,8 +90,18 @@ def main() -> None:
     full = shape.search._full  # the plan before the search shrank it
     for k in (1, 3, 6, 12, 24, len(full)):
         shape.plan = shape.search.plan = dataclasses.replace(auto.plan, chosen=full[:k])
-        r = timed(lambda: auto)
+        r = timed(lambda: auto, steps=12)
         rows.append((f"plan prefix {k}", r, auto.stats().offloaded_bytes))
+        if k == 3 and "--profile-prefix" in sys.argv:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            timed(lambda: auto, steps=3, warm=0)
+            prof.disable()
+            print("--- host time by function, 3 steps with plan prefix 3")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     base = rows[0][1][0]
     head = ("who", "dev ms", "min", "max", "host fwd", "host bwd", "x none", "GiB off")
     print("{:32} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8}".format(*head))
