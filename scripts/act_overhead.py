@@ -92,6 +92,16 @@ def main() -> None:
         shape.plan = shape.search.plan = dataclasses.replace(auto.plan, chosen=full[:k])
         r = timed(lambda: auto, steps=12)
         rows.append((f"plan prefix {k}", r, auto.stats().offloaded_bytes))
+        if k == 3 and "--trace" in sys.argv:
+            import os
+
+            from torch.profiler import ProfilerActivity, profile
+
+            out = os.environ.get("OUT", ".")
+            for label, f in (("none", contextlib.nullcontext), ("prefix3", lambda: auto)):
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    timed(f, steps=1, warm=0)
+                prof.export_chrome_trace(f"{out}/trace-{label}.json")
         if k == 3 and "--profile-prefix" in sys.argv:
             import cProfile
             import pstats
