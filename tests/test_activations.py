@@ -399,6 +399,10 @@ def test_layers_with_nothing_chosen_run_without_hooks():
     assert off.stats().offloaded_bytes > 0
     # Layer 0 has a chosen module: its other tensors pass the hooks (they may share an offloaded storage).
     assert seen[0][-1] is not None and seen[1][-1] is None and seen[2][-1] is None
+    # Nothing unpacks through the hooks above layer 0, yet its tensors were reloaded ahead of its backward
+    # (when backward left layer 2), not when they were needed.
+    st = off.stats()
+    assert st.reloaded_on_demand == 0 and st.reloaded_prefetched > 0
 
 
 def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):

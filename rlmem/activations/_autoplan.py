@@ -13,9 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from . import _budget
+from . import _budget, _scopes
 
 if TYPE_CHECKING:
     from .offloader import ActivationOffloader
@@ -32,8 +30,8 @@ _SMALL, _SMALL_COPIES = 4096, 32  # the fixed cost of a copy is timed on this ma
 
 def shape_key(args: tuple, kwargs: dict) -> int | None:
     """Power-of-two bucket of the first decoder layer's input size (its hidden states)."""
-    t = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
-    return int(t.numel()).bit_length() if isinstance(t, torch.Tensor) else None
+    t = _scopes.layer_input(args, kwargs)
+    return None if t is None else int(t.numel()).bit_length()
 
 
 @dataclass

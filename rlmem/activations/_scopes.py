@@ -82,7 +82,7 @@ def install(off: ActivationOffloader) -> list[Any]:
                 hooks += _scope_hooks(off, t, None)
     for i, (_, layer) in enumerate(lm.layers):
         # Outermost on the layer (it may itself be a chosen module): first in, last out.
-        hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=i == 0, prepend=True))
+        hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=True, prepend=True))
         hooks.append(layer.register_forward_hook(lambda *_: off._pop(), always_call=True))
     return hooks
 
@@ -122,16 +122,22 @@ def _scope_hooks(off: ActivationOffloader, t: Target, name: str | None) -> list[
     return [t.module.register_forward_pre_hook(pre), t.module.register_forward_hook(post, always_call=True)]
 
 
+def layer_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A decoder layer's hidden states: its first tensor argument, or ``hidden_states=``."""
+    t = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
+    return t if isinstance(t, torch.Tensor) else None
+
+
 def _layer_start(off: ActivationOffloader, i: int) -> Any:
     if i == 0:
 
         def first(mod: nn.Module, args: Any, kwargs: Any) -> None:
             off._first_layer(args, kwargs)
-            off._enter_layer(0)
+            off._enter_layer(0, args, kwargs)
 
         return first
 
-    def pre(mod: nn.Module, args: Any) -> None:
-        off._enter_layer(i)
+    def pre(mod: nn.Module, args: Any, kwargs: Any) -> None:
+        off._enter_layer(i, args, kwargs)
 
     return pre

@@ -219,11 +219,20 @@ class ActivationOffloader:
         # A scope the plan did not choose opens no hooks of its own: its tensors take the shared path.
         return self._selected is None or scope in self._selected
 
-    def _enter_layer(self, i: int) -> None:
+    def _enter_layer(self, i: int, args: tuple, kwargs: dict) -> None:
         live = self._live()
         self._push(None, hooks=live and i in self._hook_layers)
-        if live:
-            self._layer_started(i)
+        if not live:
+            return
+        self._layer_started(i)
+        if self.prefetch and self._groups and min(self._groups) < i - 1:
+            # The gradient of this layer's input is computed when backward leaves it: the next layer down
+            # starts then, and the one below that is reloaded. Layers with nothing offloaded unpack nothing
+            # through the hooks, so without this the first reload of a plan that offloads only early
+            # layers would start when its tensors are needed.
+            x = _scopes.layer_input(args, kwargs)
+            if x is not None and x.requires_grad:
+                x.register_hook(lambda g, below=i - 1: self._reload_ahead(below))
 
     def _first_layer(self, args: tuple, kwargs: dict) -> None:
         """Budget mode: the step's input shape is known; a shape other than the last step's is planned on
@@ -466,18 +475,21 @@ class ActivationOffloader:
                     if e.reload is not None or e.dev is not None:
                         self._drop(e)
 
-    def _prefetch_before(self, group: int) -> None:
-        if group in self._fetched:
-            return
-        self._fetched.add(group)
-        if not self.prefetch:
-            return
-        prev = [g for g in self._groups if g < group]
+    def _reload_ahead(self, below: int) -> None:
+        """Start the copies back of the highest offloaded layer under ``below`` (not yet reloaded)."""
+        prev = [g for g in self._groups if g < below]
         if not prev:
             return
         for e in self._groups[max(prev)]:
             if e.dev is None and e.reload is None and e.refs > 0:
                 self._reload(e)
+
+    def _prefetch_before(self, group: int) -> None:
+        if group in self._fetched:
+            return
+        self._fetched.add(group)
+        if self.prefetch:
+            self._reload_ahead(group)
 
     def _drop(self, e: Entry) -> None:
         if e.dev is not None:
