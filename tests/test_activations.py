@@ -453,7 +453,7 @@ def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
     while not search.done:
         search.record(1.0 + 0.0099 * search.k)  # each candidate adds ~1% to a 1 s step
         steps += 1
-    assert len(search.plan.chosen) == 5 and search.plan.chosen == c[:5]
+    assert len(search.plan.chosen) == 5 and search.plan.chosen == c[:5]  # one per layer: in layer order
     assert len(search.plan.trials) <= 8 and steps == 2 * len(search.plan.trials)
     assert search.plan.trials[0] == (20, pytest.approx(0.198))
     assert "kept the first 5 of 20" in str(search.plan)
@@ -464,6 +464,22 @@ def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
     search.record(1.01)
     assert search.done and len(search.plan.chosen) == 20
     assert search.plan.trials == ((20, pytest.approx(0.01)),)
+
+
+def test_prefix_search_spreads_over_the_layers():
+    c = [_actplan.Candidate(n, i, 100, produced_s=i + k / 10) for i in range(3) for k, n in enumerate(DENSE)]
+    order = _actplan.balanced(tuple(c))
+    assert [(x.layer, x.name) for x in order[:4]] == [
+        (0, "attn_norm"),
+        (1, "attn_norm"),
+        (2, "attn_norm"),
+        (0, "qkv_linear"),
+    ]
+    # A layer's core_attn always comes before its attn_proj (which shares its input).
+    for i in range(3):
+        names = [x.name for x in order if x.layer == i]
+        assert names.index("core_attn") < names.index("attn_proj")
+    assert sorted(order, key=c.index) == c
 
 
 def test_budget_auto_plans_each_input_shape_apart():

@@ -303,9 +303,24 @@ def choose(
     )
 
 
+def balanced(chosen: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+    """``chosen`` reordered so that every prefix spreads over the layers: each layer's first candidate
+    (in the order produced), then each layer's second, and so on. A layer's copies then keep pace with its
+    compute; a prefix of whole early layers would queue copies faster than the layers produce time."""
+    by_layer: dict[int, list[Candidate]] = {}
+    for c in sorted(chosen, key=lambda c: (c.layer, c.produced_s)):
+        by_layer.setdefault(c.layer, []).append(c)
+    out: list[Candidate] = []
+    rank = 0
+    while len(out) < len(chosen):
+        out += [cs[rank] for _, cs in sorted(by_layer.items()) if rank < len(cs)]
+        rank += 1
+    return tuple(out)
+
+
 class PrefixSearch:
-    """The closed loop of ``budget="auto"``: the longest prefix of a plan's candidates (earliest layers
-    first) whose measured step stays within ``limit`` over the unoffloaded one, found by bisection.
+    """The closed loop of ``budget="auto"``: the longest prefix of a plan's candidates (in the order of
+    :func:`balanced`) whose measured step stays within ``limit`` over the unoffloaded one, by bisection.
 
     The whole plan is measured first; while a prefix adds too much, the search halves towards the longest
     one measured within the limit, and stops when the gap is under 1/16 of the plan or after ``tries``
@@ -320,7 +335,7 @@ class PrefixSearch:
         assert baseline_s > 0 and tries >= 1 and repeats >= 1
         self._repeats = repeats
         self._seen: list[float] = []
-        self._full = plan.chosen
+        self._full = balanced(plan.chosen)
         self._limit = limit
         self._tries = tries
         self._lo, self._hi = 0, len(self._full) + 1  # longest prefix measured good, shortest measured bad
