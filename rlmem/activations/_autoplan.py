@@ -10,7 +10,7 @@ first decoder layer's input, so a new sequence-length bucket is measured and pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import _budget, _scopes
@@ -24,7 +24,8 @@ TRIAL = "trial"  # offload a prefix of the plan and measure the step
 RUN = "run"  # offload the settled plan; nothing measured, no host sync
 IDLE = "idle"  # the settled plan is empty: the offloader stays out of the step
 
-_TRIES = 8  # measured steps per shape before the search keeps what it has
+_TRIES = 8  # prefixes measured per shape before the search keeps what it has
+_REFERENCE_STEPS = 2  # the reference is the fastest of these: one slow step must not let a plan pass
 _SMALL, _SMALL_COPIES = 4096, 32  # the fixed cost of a copy is timed on this many copies of this size
 
 
@@ -36,7 +37,8 @@ def shape_key(args: tuple, kwargs: dict) -> int | None:
 
 @dataclass
 class _Shape:
-    profile: dict[str, Any] | None = None  # the measured step's figures, waiting for the reference step
+    profile: dict[str, Any] | None = None  # the measured step's figures, waiting for the reference steps
+    reference: list[float] = field(default_factory=list)
     plan: _budget.OffloadPlan | None = None
     search: _budget.PrefixSearch | None = None
 
@@ -110,7 +112,10 @@ class BudgetControl:
         elif mode == BASELINE and key == self._entered_for:
             end = copies.mark()
             copies.synchronize()
-            self._plan(off, key, copies.elapsed(off._times["start"], end))
+            s = self.shapes[key]
+            s.reference.append(copies.elapsed(off._times["start"], end))
+            if len(s.reference) >= _REFERENCE_STEPS:
+                self._plan(off, key, min(s.reference))
         elif mode == TRIAL:
             s = self.shapes[key]
             assert s.search is not None

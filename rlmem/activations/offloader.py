@@ -628,12 +628,16 @@ def offload_activations(
             (``core_attn`` is the attention computation from q, k, v to its output; ``attn_proj`` needs it,
             since its input is that output). With ``budget``: the candidates (default: all the model has).
         min_bytes: saved tensors whose storage is smaller stay on the device.
-        budget: ``"auto"`` measures the first step (nothing offloaded), then offloads, per name and layer,
-            what the link can copy under the forward pass plus ``max_overhead`` of the step, and measures
-            the next steps against the first, halving the plan while it adds more than ``max_overhead``
-            (the copies' and hooks' own costs show there; ``handle.plan.measured_overhead``); an integer is
-            a byte budget for the activations left on the device (offloading more, hidden or not, until
-            they fit). The choice is in ``handle.plan`` and logged.
+        budget: ``"auto"`` measures the first step (what each name and layer saves, and when; nothing
+            offloaded), then two steps with the offloader out of them (the reference), chooses what the
+            link can copy under the forward pass plus ``max_overhead`` of the step (a fixed cost per copy
+            included), and measures the steps that run with it against the reference, growing or
+            shrinking the plan evenly over the layers until it adds no more than ``max_overhead`` (each
+            size by the faster of two steps; ``handle.plan.trials``, ``handle.settled``). A plan that
+            settles empty keeps the offloader out of the step. Each input-shape bucket (a power of two of
+            the first layer's input size) is planned on its own. An integer is a byte budget for the
+            activations left on the device (offloading more, hidden or not, until they fit). The choice
+            is in ``handle.plan`` and logged.
         max_overhead: the share of the step the budget mode may add waiting for copies.
         prefetch: reload the previous layer's tensors while the current one's backward runs.
         module_map: patterns for a model whose layout rlmem does not recognise.

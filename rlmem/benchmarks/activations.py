@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="qwen2-2.5b,qwen2-wide,qwen2-moe-small,qwen2-gqa-small")
     p.add_argument("--grid", default="1x2048,2x2048,2x4096,4x4096", help="bs x seq points of qwen2-2.5b")
     p.add_argument("--grid-wide", default="2x2048,4x4096")
-    p.add_argument("--grid-moe", default="2x2048")
+    p.add_argument("--grid-moe", default="2x2048,4x4096")
     p.add_argument("--grid-gqa", default="2x4096")
     p.add_argument("--long", default="1x32768", help="long-context points of qwen2-2.5b (ckpt and ckpt+off)")
     p.add_argument("--full-at", default="2x2048", help="points that also run every single name")
