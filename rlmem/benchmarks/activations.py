@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", default="1x32768", help="long-context points of qwen2-2.5b (ckpt and ckpt+off)")
     p.add_argument("--full-at", default="2x2048", help="points that also run every single name")
     p.add_argument("--only", default="", help="run only these contenders (comma-separated), for diagnosis")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--merge", action="store_true", help="keep models of an existing JSON not run now")
     args = run_.parse(argv)
     if not run_.needs_cuda():
