@@ -363,10 +363,10 @@ def test_budget_auto_measures_then_offloads():
     first = run(model, off)  # measured: what each scope saves and when; nothing offloaded
     assert off.stats().offloaded_bytes == 0 and off.plan is None and not off.settled
     assert seen[-1] is not None
-    run(model, off)  # the reference: the same step with the offloader out of it, twice (the faster counts)
-    assert seen[-1] is None and off.plan is None  # no saved-tensor hooks while it ran
-    run(model, off)
-    assert seen[-1] is None
+    for _ in range(3):  # the reference: the same step with the offloader out of it (the median counts)
+        assert off.plan is None
+        run(model, off)
+        assert seen[-1] is None  # no saved-tensor hooks while it ran
     plan = off.plan
     assert plan is not None and plan.baseline_s > 0 and not plan.trials
     assert "budget=auto" in str(plan) and plan.reasons and "without offloading" in str(plan)
@@ -375,7 +375,7 @@ def test_budget_auto_measures_then_offloads():
     assert_same(ref, got)
     assert first[0] == got[0]
     assert off.stats().offloaded_bytes > 0
-    for _ in range(16):
+    for _ in range(24):
         if off.settled:
             break
         assert_same(ref, run(model, off))
@@ -415,8 +415,7 @@ def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):
     off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.9)
     seen = _hooks_seen(model)
     run(model, off)  # measured, nothing offloaded
-    run(model, off)  # the reference steps
-    run(model, off)
+    run(model, off, steps=3)  # the reference steps
     chosen = len(off.plan.chosen)
     assert chosen >= 2
     slow = _transfer.HostCopies.copy_out
@@ -427,7 +426,7 @@ def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):
 
     monkeypatch.setattr(_transfer.HostCopies, "copy_out", staticmethod(slow_copy))
     sizes = []
-    for _ in range(18):  # each prefix is measured twice
+    for _ in range(26):  # each prefix is measured three times
         got = run(model, off)
         assert_same(ref, got)  # gradients bit-equal whatever the plan is at each step
         sizes.append(off.stats().offloaded_tensors)
@@ -457,16 +456,17 @@ def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
         search.record(1.0 + 0.0099 * search.k)  # each candidate adds ~1% to a 1 s step
         steps += 1
     assert len(search.plan.chosen) == 5 and search.plan.chosen == c[:5]  # one per layer: in layer order
-    assert len(search.plan.trials) <= 8 and steps == 2 * len(search.plan.trials)
+    assert len(search.plan.trials) <= 8 and steps == 3 * len(search.plan.trials)
     assert search.plan.trials[0] == (20, pytest.approx(0.198))
     assert "kept the first 5 of 20" in str(search.plan)
     # A plan measured within the limit at once is kept whole after one step.
     search = _actplan.PrefixSearch(plan, 1.0, 0.05)
-    search.record(1.5)  # the first step of a plan pays for what it allocates: the faster one counts
-    assert not search.done
+    search.record(1.5)  # the first step of a plan pays for what it allocates: the median counts
     search.record(1.01)
+    assert not search.done
+    search.record(1.02)
     assert search.done and len(search.plan.chosen) == 20
-    assert search.plan.trials == ((20, pytest.approx(0.01)),)
+    assert search.plan.trials == ((20, pytest.approx(0.02)),)
 
 
 def test_prefix_search_spreads_over_the_layers():
@@ -489,7 +489,7 @@ def test_budget_auto_plans_each_input_shape_apart():
     model = make("qwen2")
     ref_short, ref_long = run(make("qwen2")), run(make("qwen2"), length=100)
     off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.99)
-    for _ in range(20):
+    for _ in range(30):
         run(model, off)
         if off.settled:
             break
@@ -498,8 +498,7 @@ def test_budget_auto_plans_each_input_shape_apart():
     got = run(model, off, length=100)  # a new length bucket: measured, not offloaded with the short plan
     assert_same(ref_long, got)
     assert off.stats().offloaded_bytes == 0 and len(off.plans) == 1 and off.plan is None
-    run(model, off, length=100)  # its reference steps
-    run(model, off, length=100)
+    run(model, off, length=100, steps=3)  # its reference steps
     assert off.plan is not short and off.plan.baseline_s > 0 and len(off.plans) == 2
     got = run(model, off)  # back to the short shape: its settled plan runs at once
     assert_same(ref_short, got)

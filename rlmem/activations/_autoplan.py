@@ -25,7 +25,7 @@ RUN = "run"  # offload the settled plan; nothing measured, no host sync
 IDLE = "idle"  # the settled plan is empty: the offloader stays out of the step
 
 _TRIES = 8  # prefixes measured per shape before the search keeps what it has
-_REFERENCE_STEPS = 2  # the reference is the fastest of these: one slow step must not let a plan pass
+_REFERENCE_STEPS = 3  # the reference is the median of these: one slow step must not let a plan pass
 _SMALL, _SMALL_COPIES = 4096, 32  # the fixed cost of a copy is timed on this many copies of this size
 
 
@@ -115,7 +115,7 @@ class BudgetControl:
             s = self.shapes[key]
             s.reference.append(copies.elapsed(off._times["start"], end))
             if len(s.reference) >= _REFERENCE_STEPS:
-                self._plan(off, key, min(s.reference))
+                self._plan(off, key, sorted(s.reference)[len(s.reference) // 2])
         elif mode == TRIAL:
             s = self.shapes[key]
             assert s.search is not None

@@ -240,7 +240,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
                 if name == "none":
                     fwd.append(tf)
             i += 1
-            if i == warm and name == "rlmem:auto" and not handle.settled and warm < 24:
+            if i == warm and name == "rlmem:auto" and not handle.settled and warm < 32:
                 warm += 1
         out: dict[str, Any] = {
             "step_s": median(times),

@@ -297,7 +297,7 @@ def _act_row(
         for i in range(64):
             if i >= warm + steps:
                 break
-            if handle is not None and i == warm and not handle.settled and warm < 24:
+            if handle is not None and i == warm and not handle.settled and warm < 32:
                 warm += 1
             model.zero_grad(set_to_none=True)
             gc.collect()
