@@ -22,9 +22,10 @@ over ``max(t_fwd, A / D2H) + max(t_bwd, A / H2D)`` with A the bytes it offloaded
 largest point: ``rlmem:auto``'s step over ``none``'s, minus 1, and the bytes it offloaded over what the link
 could move under ``none``'s forward pass (``D2H x forward``); per model in ``auto_by_model``.
 
-Long context (``--long``, default ``1x32768`` of the 2.47B model): only ``ckpt`` and ``rlmem:ckpt+off``, where
-the checkpointed layer inputs outweigh the gradients; ``ckpt_offload_peak_vs_ckpt`` and its overhead come from
-that point when it ran (``ckpt_offload_point`` names it), else from the largest grid point.
+Long context (``--long``, default ``1x32768,1x65536,1x131072`` of the 2.47B model): only ``ckpt`` and
+``rlmem:ckpt+off``. The bf16 gradients are 4.6 GiB; the checkpointed layer inputs are 3.5 GiB at 32k tokens
+and outweigh them from 64k on. ``ckpt_offload_peak_vs_ckpt`` and its overhead come from the longest point that
+ran (``ckpt_offload_point`` names it; every long point in ``long_points``), else from the largest grid point.
 """
 
 from __future__ import annotations
@@ -349,9 +350,22 @@ def summarize(
         out["hidden_offload_efficiency"] = best[1] / bound
         out["best_peak_cut_at_5pct"] = best[1] / none["peak_bytes"]
     out["link_bound_bytes"] = int(bound)
+
     # Checkpointing + offload where it is for: the long-context point when it ran (its checkpointed inputs
     # outweigh the gradients); the grid's largest point keeps its own figures beside.
-    where = max(long, key=_size) if long else pts[-1]
+    def ran(key: str) -> bool:
+        return all("peak_bytes" in main[key].get(c, {}) for c in ("ckpt", "rlmem:ckpt+off"))
+
+    done = [k for k in long if ran(k)]
+    where = max(done, key=_size) if done else pts[-1]
+    out["long_points"] = {}
+    for k in done:
+        ck, cko = main[k]["ckpt"], main[k]["rlmem:ckpt+off"]
+        out["long_points"][k] = {
+            "ckpt_offload_peak_vs_ckpt": cko["peak_bytes"] / ck["peak_bytes"],
+            "ckpt_offload_overhead_vs_ckpt": cko["step_s"] / ck["step_s"] - 1,
+            "checkpoint_input_bytes": cko.get("offloaded_bytes", 0),
+        }
     for key, prefix in ((pts[-1], "grid_"), (where, "")):
         ck, cko = main[key].get("ckpt", {}), main[key].get("rlmem:ckpt+off", {})
         if "peak_bytes" in ck and "peak_bytes" in cko:
@@ -372,7 +386,7 @@ def summarize(
 
 def _points(text: str) -> list[tuple[int, int]]:
     out = []
-    for p in text.split(","):
+    for p in filter(None, text.split(",")):
         b, s = p.split("x")
         out.append((int(b), int(s)))
     return out
@@ -386,7 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid-wide", default="2x2048,4x4096")
     p.add_argument("--grid-moe", default="2x2048,4x4096")
     p.add_argument("--grid-gqa", default="2x4096")
-    p.add_argument("--long", default="1x32768", help="long-context points of qwen2-2.5b (ckpt and ckpt+off)")
+    p.add_argument(
+        "--long",
+        default="1x32768,1x65536,1x131072",
+        help="long-context points of qwen2-2.5b (ckpt and ckpt+off)",
+    )
     p.add_argument("--full-at", default="2x2048", help="points that also run every single name")
     p.add_argument("--only", default="", help="run only these contenders (comma-separated), for diagnosis")
     p.add_argument("--steps", type=int, default=5)
@@ -467,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             old = json.load(f)
         for m, r in old.get("results", {}).items():
+            if m in res:  # points of a model run now that were not run now
+                res[m] = {**{k: v for k, v in r.items() if k not in res[m]}, **res[m]}
+                continue
             if m not in res:
                 res[m] = r
                 weights_bytes[m] = old.get("weights_bytes", {}).get(m)
