@@ -486,7 +486,11 @@ def main(argv: list[str] | None = None) -> int:
             old = json.load(f)
         for m, r in old.get("results", {}).items():
             if m in res:  # points of a model run now that were not run now
-                res[m] = {**{k: v for k, v in r.items() if k not in res[m]}, **res[m]}
+                kept = {k: v for k, v in r.items() if k not in res[m]}
+                res[m] = {**kept, **res[m]}
+                if any(not v.get("long") for v in kept.values()):
+                    # The grid's figures are ratios over the link measured with them; long points use none.
+                    model_links[m] = old.get("model_links", {}).get(m, old["link"])
                 continue
             if m not in res:
                 res[m] = r
