@@ -248,7 +248,7 @@ class ActivationOffloader:
 
     @property
     def plan(self) -> _budget.OffloadPlan | None:
-        """Budget mode: the plan of the last step's input shape (``None`` before its first step)."""
+        """Budget mode: the plan of the last step's input shape (``None`` until its reference steps ran)."""
         return None if self._control is None else self._control.current_plan(self._control.expect)
 
     @property
