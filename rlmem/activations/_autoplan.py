@@ -35,6 +35,14 @@ def shape_key(args: tuple, kwargs: dict) -> int | None:
     return None if t is None else int(t.numel()).bit_length()
 
 
+def _step_s(off: ActivationOffloader, end: Any = None) -> float:
+    """Seconds from the step's start mark to ``end`` (now, if not given), after one host sync."""
+    copies = off._copies
+    end = copies.mark() if end is None else end
+    copies.synchronize()
+    return copies.elapsed(off._times["start"], end)
+
+
 @dataclass
 class _Shape:
     profile: dict[str, Any] | None = None  # the measured step's figures, waiting for the reference steps
@@ -92,9 +100,7 @@ class BudgetControl:
 
     def current_plan(self, key: int | None) -> _budget.OffloadPlan | None:
         s = self.shapes.get(key)
-        if s is None:
-            return None
-        return s.search.plan if s.search is not None else s.plan
+        return None if s is None else s.plan
 
     @property
     def settled(self) -> bool:
@@ -105,28 +111,23 @@ class BudgetControl:
         """Learn from the step that just ended (one host sync when it was measured)."""
         mode, key = self.mode, self.key
         self.expect = key
-        copies = off._copies
         if mode == PROFILE:
             assert measured is not None
             self._profiled(off, key, measured)
         elif mode == BASELINE and key == self._entered_for:
-            end = copies.mark()
-            copies.synchronize()
             s = self.shapes[key]
-            s.reference.append(copies.elapsed(off._times["start"], end))
+            s.reference.append(_step_s(off))
             if len(s.reference) >= _REFERENCE_STEPS:
                 self._plan(off, key, sorted(s.reference)[len(s.reference) // 2])
         elif mode == TRIAL:
             s = self.shapes[key]
             assert s.search is not None
-            end = copies.mark()
-            copies.synchronize()
-            s.plan = s.search.record(copies.elapsed(off._times["start"], end))
+            s.plan = s.search.record(_step_s(off))
 
     def _profiled(self, off: ActivationOffloader, key: int | None, measured: dict) -> None:
         times, copies = off._times, off._copies
         end = copies.mark()
-        copies.synchronize()  # once, after the measured step, to read its events
+        step_s = _step_s(off, end)  # the one host sync of the measured step: its events can be read now
         start = times["start"]
         cands = [
             _budget.Candidate(name, layer, nbytes, copies.elapsed(start, t0), count)
@@ -149,7 +150,7 @@ class BudgetControl:
             "candidates": cands,
             "layer_starts": {i: copies.elapsed(start, t) for i, t in times.get("layers", {}).items()},
             "forward_s": copies.elapsed(start, times.get("backward_start", end)),
-            "step_s": copies.elapsed(start, end),
+            "step_s": step_s,
             "activation_bytes": act,
             "rate": rate,
             "per_copy_s": per_copy,

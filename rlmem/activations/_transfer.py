@@ -113,12 +113,11 @@ class CudaCopies:
         a.record(self._d2h)
         t0 = time.perf_counter()
         for k in range(n):
-            done = self.copy_out(src[k * size : (k + 1) * size], host[k * size : (k + 1) * size])
+            self.copy_out(src[k * size : (k + 1) * size], host[k * size : (k + 1) * size])
         issue = (time.perf_counter() - t0) / n
         b = torch.cuda.Event(enable_timing=True)
         b.record(self._d2h)
         b.synchronize()
-        del done
         return max(issue, a.elapsed_time(b) / 1e3 / n)
 
 

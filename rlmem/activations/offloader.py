@@ -243,8 +243,14 @@ class ActivationOffloader:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         if c.first_layer(_autoplan.shape_key(args, kwargs), self._bypass):
-            self._measure = {} if c.mode == _autoplan.PROFILE else None
-            self._select(None if c.mode == _autoplan.PROFILE else c.selection())
+            self._apply(c.mode)
+
+    def _apply(self, mode: str) -> None:
+        """Budget mode: what this step records (a measured step) and offloads (the plan's selection)."""
+        assert self._control is not None
+        profile = mode == _autoplan.PROFILE
+        self._measure = {} if profile else None
+        self._select(None if profile else self._control.selection())
 
     @property
     def plan(self) -> _budget.OffloadPlan | None:
@@ -515,8 +521,7 @@ class ActivationOffloader:
         if c is not None:
             mode = c.begin()
             self._bypass = mode in (_autoplan.BASELINE, _autoplan.IDLE)
-            self._measure = {} if mode == _autoplan.PROFILE else None
-            self._select(None if mode == _autoplan.PROFILE else c.selection())
+            self._apply(mode)
             self._times = (
                 {}
                 if mode == _autoplan.IDLE

@@ -90,6 +90,14 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def warm_steps(handle: Any, done: int, warm: int, cap: int = 32) -> int:
+    """Untimed steps before the timed ones: ``warm``, plus one more each time ``done`` reaches it while a
+    budget-mode activation handle is still measuring its plan (``handle.settled``), at most ``cap``."""
+    if done == warm and not getattr(handle, "settled", True) and warm < cap:
+        return warm + 1
+    return warm
+
+
 def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)

@@ -9,8 +9,8 @@ weights, so the bf16 gradients are inside every figure. Contenders, each on the 
 * ``none``; ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
 * ``ckpt``: every decoder layer checkpointed with ``torch.utils.checkpoint`` (non-reentrant);
 * ``rlmem:<names>``: ``rlmem.offload_activations`` with one name, or ``all`` names;
-* ``rlmem:auto``: the budget mode (its warm-up step is not timed); ``rlmem:ckpt+off``: ``rlmem.checkpoint``
-  of every layer with offloading of all names (so the checkpoint inputs are offloaded).
+* ``rlmem:auto``: the budget mode (its steps until the plan settles are not timed); ``rlmem:ckpt+off``:
+  ``rlmem.checkpoint`` of every layer with offloading of all names (so the checkpoint inputs are offloaded).
 
 The link's D2H and H2D rates (pinned, 1 GiB) and the forward time of ``none`` are measured in the same run.
 Summary (at the model's largest grid point unless said): ``hidden_offload_efficiency`` = peak cut of the best
@@ -48,6 +48,7 @@ from ._common import (
     format_table,
     link_rates,
     median,
+    warm_steps,
 )
 from ._harness import Run
 
@@ -241,8 +242,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
                 if name == "none":
                     fwd.append(tf)
             i += 1
-            if i == warm and name == "rlmem:auto" and not handle.settled and warm < 32:
-                warm += 1
+            warm = warm_steps(handle, i, warm)
         out: dict[str, Any] = {
             "step_s": median(times),
             "peak_bytes": peak,

@@ -36,7 +36,7 @@ import torch
 from .. import OffloadConfig, PhaseManager, offload_activations
 from .._units import GiB as _GiB
 from ..activations.modmap import DENSE_NAMES
-from ._common import format_table, link_rates, median
+from ._common import format_table, link_rates, median, warm_steps
 from ._harness import Run
 
 NAME = "megatron"
@@ -297,8 +297,7 @@ def _act_row(
         for i in range(64):
             if i >= warm + steps:
                 break
-            if handle is not None and i == warm and not handle.settled and warm < 32:
-                warm += 1
+            warm = warm_steps(handle, i, warm)
             model.zero_grad(set_to_none=True)
             gc.collect()
             torch.cuda.synchronize()
