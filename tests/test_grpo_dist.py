@@ -32,9 +32,9 @@ def _torchrun(tmp_path, name: str, *args: str) -> dict:
     return json.loads((tmp_path / name / "summary.json").read_text())
 
 
-def _compare(tmp_path, device: str) -> None:
-    common = [f"device={device}", "steps=3", "prompts_per_step=8", "group_size=4", "kl_coef=0.1"]
-    common += ["updates_per_step=2", "micro_batch_size=4"]
+def _compare(tmp_path, device: str, *extra: str, steps: int = 3) -> None:
+    common = [f"device={device}", f"steps={steps}", "prompts_per_step=8", "group_size=4", "kl_coef=0.1"]
+    common += ["updates_per_step=2", "micro_batch_size=4", *extra]
     off = _torchrun(tmp_path, "off", *common, "offload=false")
     on = _torchrun(tmp_path, "on", *common, "offload=true")
     assert off["world_size"] == on["world_size"] == 2 and on["offload"] and not off["offload"]
@@ -48,20 +48,27 @@ def test_fsdp2_two_cpu_ranks_offload_on_and_off_identical(tmp_path):
     _compare(tmp_path, "cpu")
 
 
+def test_fsdp2_two_cpu_ranks_rollout_copy_offload_on_and_off_identical(tmp_path):
+    # each rank samples from a full bf16 copy through the model's unsharded twin (HFSampler rollout_dtype)
+    _compare(tmp_path, "cpu", "rollout_dtype=bf16", steps=2)
+
+
 @pytest.mark.gpus(2)
 def test_fsdp2_two_gpus_offload_on_and_off_identical(tmp_path):
     _compare(tmp_path, "cuda")
 
 
 @pytest.mark.gpus(2)
-def test_fsdp2_two_gpus_comms_suspended_during_rollout_identical(tmp_path):
+@pytest.mark.parametrize("copy", ["", "rollout_dtype=bf16"], ids=["fsdp-weights", "rollout-copy"])
+def test_fsdp2_two_gpus_comms_suspended_during_rollout_identical(tmp_path, copy):
+    # With a rollout copy, FSDP gathers the weights only to fill it (and shards them again at once).
     # The NCCL communicators give their memory back during rollout through NCCL's suspend (an NCCL without
     # it is refused: FSDP2's DTensor reductions reach communicators by name, past the rebuild fallback);
     # FSDP gathers the weights before they go, and training is what it is with them kept.
     from rlmem.comm import _nccl
 
     common = ["device=cuda", "steps=3", "prompts_per_step=8", "group_size=4", "kl_coef=0.1", "offload=true"]
-    common += ["updates_per_step=2", "micro_batch_size=4", "save_every=0"]
+    common += ["updates_per_step=2", "micro_batch_size=4", "save_every=0", *([copy] if copy else [])]
     if not _nccl.library().has_suspend:  # refused up front, before anything is built
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
         cmd += ["rlmem", "train", *common, "comms=suspend", f"out_dir={tmp_path / 'refused'}"]

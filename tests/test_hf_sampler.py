@@ -279,7 +279,10 @@ def test_capture_up_front_covers_every_bucket():
         s.capture()
     pool = tuple(s._pool)
     s.wake()
-    s.sleep(level=2)  # the graphs and their pool go as well
+    s.sleep(level=2)  # the graphs stay through either level
+    s.wake()
+    assert s.generate(PROMPTS, max_new_tokens=10, temperature=0) == want and s.captures == 9
+    assert s.drop_graphs() > 0  # the graphs and their pool go
     assert s.graph_pool_bytes == 0
     assert not [g for g in torch.cuda.memory_snapshot() if tuple(g.get("segment_pool_id", ())) == pool]
     s.wake()
@@ -425,3 +428,40 @@ def test_an_overlapped_switch_samples_while_the_optimizer_states_are_copied():
     assert never == [False] * 3
     # the first rollout has taken no measure of its memory yet and waits; the later ones start at once
     assert overlapped == [False, True, True]
+
+
+def _fsdp_sampler(tmp_path, backend: str, device: str, world: int) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out.json"
+    script = Path(__file__).parent / "_fsdp_sampler.py"
+    cmd = [sys.executable, str(script), backend, device, str(out), str(world)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _check_fsdp_copy(res: dict) -> None:
+    # three rollouts, a training step of both models before the second and third
+    assert res["same"] == [True, True, True]  # the sharded model's copy samples as the unsharded model's
+    assert res["params_equal"]  # the training itself went the same way on both
+    assert res["fsdp_forwards"] == [0, 0, 0]  # FSDP's forward (and its all-gathers) never ran to sample
+    assert res["copy_is_bf16"] and res["copy_bytes"] >= res["full_bytes_bf16"]  # the full weights per rank
+
+
+def test_fsdp2_rollout_copy_samples_the_full_weights_without_fsdp(tmp_path):
+    res = _fsdp_sampler(tmp_path, "gloo", "cpu", 2)
+    _check_fsdp_copy(res)
+    assert res["captures"] == [0, 0, 0]
+
+
+@pytest.mark.cuda
+def test_fsdp2_rollout_copy_keeps_its_graphs_through_training(tmp_path):
+    # Without the copy, FSDP's gathered weights land at new addresses each rollout and every graph would be
+    # captured again; the copy's Region keeps its addresses through a level-2 sleep and the re-sync.
+    res = _fsdp_sampler(tmp_path, "nccl", "cuda", 1)
+    _check_fsdp_copy(res)
+    assert res["captures"][0] > 0 and len(set(res["captures"])) == 1

@@ -31,6 +31,7 @@ from torch import nn
 from .._checks import check_choice
 from ..memory.region import Region, _round_up
 from ..plan.shapes import kv_bytes_per_token as _kv_bytes
+from ..train._dtensor import is_dtensor as _is_dtensor
 from ..train._engines import check_tags
 from ._fused import fused as _fused
 from ._fused import kernels
@@ -78,7 +79,10 @@ class HFSampler:
             ``sleep(2)`` discards it (``sync_weights()`` again before sampling); ``wake(["weights"])`` takes
             it back. It costs ``numel x itemsize`` of device memory during rollout and one copy per sync;
             each decode step then reads the weights in that dtype, with no cast. None: the model itself.
-            ``compute_dtype`` defaults to it.
+            ``compute_dtype`` defaults to it. With a sharded model (FSDP2) the copy holds the full weights
+            on each rank, gathered at each sync, and the rollout runs an unsharded twin of the model over
+            it: no communication while sampling, and the CUDA graphs are captured once (over FSDP's own
+            gathered weights they would be captured again at every rollout, which gathers them anew).
 
     Raises:
         ValueError: a size is not positive, the budget holds less than one sequence, ``kv_block`` is not a
@@ -149,13 +153,16 @@ class HFSampler:
         self.weights: dict[str, torch.Tensor] | None = None
         self.weights_region: Region | None = None
         self._weights_stale = False
+        # The module the rollout runs: the model itself, or (a sharded model with a rollout copy) a twin of
+        # it without FSDP's hooks, whose parameters are the copy's full tensors (see ``_twin``).
+        self._runner: nn.Module = model
+        self._buffers: dict[str, torch.Tensor] = {}
         if rollout_dtype is not None:
             named = dict(model.named_parameters())  # tied parameters once: functional_call ties them back
-            if any(type(p.data).__name__ == "DTensor" for p in named.values()):
-                raise ValueError(
-                    "rollout_dtype needs a model with plain parameters; this one's are DTensors (FSDP2), "
-                    "whose sharded copy could not run the model: leave rollout_dtype=None"
-                )
+            if _sharded(model):
+                self._runner = _twin(model)
+                self._buffers = dict(model.named_buffers())
+                _check_covers(self._runner, {**named, **self._buffers})
             size = sum(_round_up(p.numel() * rollout_dtype.itemsize, 256) for p in named.values())
             self.weights_region = Region(size, device, name=f"{name}/weights")
             self.weights = {n: self.weights_region.empty(p.shape, rollout_dtype) for n, p in named.items()}
@@ -196,6 +203,10 @@ class HFSampler:
     def sync_weights(self) -> None:
         """Copy the model's parameters into the rollout copy (``rollout_dtype``); nothing without one.
 
+        A sharded parameter (FSDP2, a DTensor) is gathered whole, one parameter at a time: a collective, so
+        every rank syncs together, while its communicators work. A model FSDP holds gathered (``unshard()``)
+        is read as it is, with no communication.
+
         Raises:
             RuntimeError: the copy is asleep (``wake(["weights"])`` first).
         """
@@ -205,30 +216,39 @@ class HFSampler:
         if self.weights_region.paused:
             raise RuntimeError("HFSampler's rollout weights are asleep: wake(['weights']) before syncing")
         for n, p in self.model.named_parameters():
-            self.weights[n].copy_(p)
+            self.weights[n].copy_(p.full_tensor() if _is_dtensor(p) else p)
         self._weights_stale = False
 
     def sleep(self, level: int = 1) -> None:
         """Give the KV cache's memory back (its contents are not needed between rollouts), and the rollout
-        copy's: kept in pinned host memory at level 1, discarded at level 2. Level 2 also drops the CUDA
-        graphs and frees their memory pool (captured again on the next use). Without a rollout copy the
-        sampler runs on the caller's model and both levels release the same memory.
+        copy's: kept in pinned host memory at level 1, discarded at level 2 (``sync_weights()`` after
+        waking). Without a rollout copy the sampler runs on the caller's model and both levels release the
+        same memory. The CUDA graphs stay at both levels (every address they read comes back the same on
+        waking), and so does their memory pool: :meth:`drop_graphs` frees it.
 
         Raises:
             ValueError: ``level`` is not 1 or 2.
         """
         check_choice("level", level, (1, 2))
-        if level == 2 and self._decoders:
-            # The CUDA graphs go too, captured again on use (level 1 keeps them: no re-capture, but the
-            # pool stays reserved); emptying the cache hands the freed pool back to the driver.
-            self._drop_graphs()
-            if self.cuda_graphs:
-                torch.cuda.synchronize(self.region.device)
-                torch.cuda.empty_cache()
         self.region.pause(keep=False)
         if self.weights_region is not None:
             self.weights_region.pause(keep=level == 1)
             self._weights_stale = self._weights_stale or level == 2
+
+    def drop_graphs(self) -> int:
+        """Forget the CUDA graphs and hand their memory pool back to the device (captured again on the next
+        use, or by :meth:`capture`).
+
+        Returns:
+            Bytes of pool released (``graph_pool_bytes`` before).
+        """
+        freed = self.graph_pool_bytes
+        if self._decoders:
+            self._drop_graphs()
+            if self.cuda_graphs:  # emptying the cache hands the freed pool back to the driver
+                torch.cuda.synchronize(self.region.device)
+                torch.cuda.empty_cache()
+        return freed
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         """Take memory again, at the same addresses: ``"weights"`` (the rollout copy; the caller's model
@@ -254,7 +274,7 @@ class HFSampler:
             # A hook inside the model's own forward, not a separate embedding call: under FSDP2 the weights
             # are gathered only within the root module's forward.
             dtype = self.compute_dtype
-            hook = self.model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.to(dtype))
+            hook = self._runner.get_input_embeddings().register_forward_hook(lambda m, a, out: out.to(dtype))
         kwargs = dict(
             input_ids=ids,
             attention_mask=mask,
@@ -263,13 +283,14 @@ class HFSampler:
             use_cache=True,
             logits_to_keep=1,
         )
-        swap = _fused(self.model, self._kernels) if self.fused else contextlib.nullcontext()
+        swap = _fused(self._runner, self._kernels) if self.fused else contextlib.nullcontext()
         try:
             with self._autocast(ids.device), swap:
                 if self.weights is None:
                     out = self.model(**kwargs)
-                else:  # the same modules over the rollout copy
-                    out = torch.func.functional_call(self.model, self.weights, (), kwargs, strict=False)
+                else:  # the same modules (or the sharded model's twin) over the rollout copy
+                    state = {**self.weights, **self._buffers} if self._buffers else self.weights
+                    out = torch.func.functional_call(self._runner, state, (), kwargs, strict=False)
         finally:
             if hook is not None:
                 hook.remove()
@@ -548,6 +569,53 @@ class HFSampler:
         whole = (n is None or n == self.batch_size) and (length is None or length == self.max_len)
         for layer, (k, v) in zip(self.cache.layers, full, strict=True):
             layer.keys, layer.values = (k, v) if whole else (k[:n, :, :length], v[:n, :, :length])
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 wraps any of ``model``'s modules or any parameter is a DTensor (also while FSDP holds
+    the parameters gathered, when they read as plain tensors)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a PyTorch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        _is_dtensor(p) for p in model.parameters()
+    )
+
+
+def _twin(model: nn.Module) -> nn.Module:
+    """The same Hugging Face model as ``model``, without FSDP: built from its config on the meta device (no
+    memory), in eval mode. The rollout runs it over the copy's full tensors, so FSDP's hooks (which would
+    gather the sharded weights at every forward, through the communicators) never run, and the weights the
+    CUDA graphs read stay at the copy's addresses from one rollout to the next.
+
+    Raises:
+        ValueError: the model has no Hugging Face ``config`` to build the twin from.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(
+            f"rollout_dtype with a sharded model needs a transformers model (a config to build its unsharded "
+            f"twin from); {cls.__name__} has none: leave rollout_dtype=None"
+        )
+    with torch.device("meta"):
+        twin = cls(config)
+    return twin.eval()
+
+
+def _check_covers(twin: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every parameter and buffer of the twin is in ``state`` with its shape (anything else would stay on
+    the meta device, with no data)."""
+    for n, t in (*twin.named_parameters(), *twin.named_buffers()):
+        got = state.get(n)
+        if got is None or tuple(got.shape) != tuple(t.shape):
+            raise ValueError(
+                f"rollout_dtype: the sharded model's {n!r} does not match its unsharded twin's "
+                f"({None if got is None else tuple(got.shape)} vs {tuple(t.shape)})"
+            )
 
 
 class _Decode:

@@ -430,8 +430,13 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
 
             # ---- rollout ------------------------------------------------------------------------
             sync = sampler.sync_weights if sampler is not None else None
+            # Under FSDP2 a rollout copy (rollout_dtype) holds the full weights and the model itself is not
+            # run: it is gathered only to fill the copy, and sharded again at once.
+            own_copy = cfg.rollout_dtype is not None
             if cfg.comms == "suspend":  # the weights are gathered while the communicators still work
-                sync = functools.partial(_gather_then, model, world, sync)
+                sync = functools.partial(
+                    _gather_then, model, world, sync, reshard=own_copy and sampler is not None
+                )
             with tl.phase("rollout", step) as ph_roll, pm.rollout(sync_weights=sync):
                 switch_s = (pm.stats().switches.rollout_s or 0.0) if offload else 0.0
                 model.eval()
@@ -449,8 +454,11 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                         rollout_dtype=_ROLLOUT_DTYPES[cfg.rollout_dtype],
                     )
                     pm.add_engine(sampler)
+                    if own_copy:  # filled from the weights gathered above: FSDP's gathered copy can go
+                        _set_reshard(model, True, world)
                 tl.sample("rollout", step)  # the memory the rollout runs with, once the switch is done
-                _set_reshard(model, False, world)
+                if not own_copy:
+                    _set_reshard(model, False, world)
                 t0 = time.perf_counter()
                 group_prompts = [p for p in prompt_ids for _ in range(cfg.group_size)]
                 comps = sampler.generate(
@@ -468,7 +476,8 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                     eval_reward = _evaluate(
                         eval_set, sampler, text_tok, reward_fn, reward_spec, max_new, rank, world, ctl
                     )
-                _set_reshard(model, True, world)
+                if not own_copy:
+                    _set_reshard(model, True, world)
                 if data is None:
                     texts = [p for p in prompts for _ in range(cfg.group_size)]
                     rewards = torch.tensor(
@@ -783,9 +792,12 @@ def _micro_batches(
     return [mini[torch.tensor(p, dtype=torch.long)] for p in parts if p]
 
 
-def _gather_then(model: nn.Module, world: int, then: Callable[[], Any] | None) -> None:
+def _gather_then(
+    model: nn.Module, world: int, then: Callable[[], Any] | None, *, reshard: bool = False
+) -> None:
     """With the communicators about to be suspended for the rollout: FSDP gathers the weights now (the
-    rollout keeps them gathered), then ``then`` (the engine's weight sync) runs on the full weights."""
+    rollout keeps them gathered), then ``then`` (the engine's weight sync) runs on the full weights.
+    ``reshard``: the engine samples from its own copy, so the gathered weights go once it is synced."""
     if world > 1:
         from torch.distributed.fsdp import FSDPModule
 
@@ -795,6 +807,8 @@ def _gather_then(model: nn.Module, world: int, then: Callable[[], Any] | None) -
                 m.unshard()
     if then is not None:
         then()
+    if reshard:
+        _set_reshard(model, True, world)
 
 
 def _set_reshard(model: nn.Module, reshard: bool, world: int) -> None:

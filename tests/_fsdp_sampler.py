@@ -1,0 +1,116 @@
+"""HFSampler over an FSDP2-sharded model with a rollout copy: each rank samples from the full bf16 weights
+through the model's unsharded twin, with no collective while sampling and (on a GPU) no graph captured
+again after a training step. Rank 0 writes what it saw.
+
+Run as a script (tests call it in a fresh process): python tests/_fsdp_sampler.py BACKEND DEVICE OUT [WORLD]
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import transformers
+
+from rlmem.integrations.hf import HFSampler
+
+PROMPTS = [[1, 5, 6, 7, 3], [1, 8, 3], [1, 4, 9, 4, 12, 4, 3], [1, 9, 3], [1, 10, 11, 3]]
+
+
+def tiny(device: str) -> torch.nn.Module:
+    cfg = transformers.Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=14,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        initializer_range=0.5,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg).to(device)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: str) -> None:
+    """The same batch on every rank: FSDP's averaged gradients are the unsharded model's own."""
+    ids = torch.tensor([[1, 5, 6, 7, 3, 9, 4, 2]], device=device)
+    model.train()
+    model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+
+
+def worker(rank: int, world: int, backend: str, device_kind: str, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = tiny(device)
+        ref = copy.deepcopy(model)
+        mesh = init_device_mesh(device_kind, (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, rollout_dtype=torch.bfloat16)
+        s = HFSampler(model, **kw)
+        r = HFSampler(ref, **kw)
+        calls = []
+        hook = model.register_forward_pre_hook(lambda m, a: calls.append(1))  # FSDP's root forward
+        res: dict[str, object] = {"world": world, "same": [], "captures": [], "fsdp_forwards": []}
+        for step in range(3):
+            if step:
+                train_step(model, opt, device)
+                train_step(ref, ref_opt, device)
+                s.sleep(level=2)  # as in the train phase: copy and cache discarded
+                s.wake()
+                s.sync_weights()
+                r.sync_weights()
+            calls.clear()
+            got = s.generate(PROMPTS, max_new_tokens=10, temperature=0)
+            got += s.generate(PROMPTS, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+            want = r.generate(PROMPTS, max_new_tokens=10, temperature=0)
+            want += r.generate(PROMPTS, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+            res["same"].append(got == want)
+            res["captures"].append(s.captures)
+            res["fsdp_forwards"].append(len(calls))
+        hook.remove()
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        res["params_equal"] = all(torch.equal(full[n], p) for n, p in ref.named_parameters())
+        res["copy_bytes"] = s.weights_region.nbytes
+        res["full_bytes_bf16"] = sum(p.numel() * 2 for p in ref.parameters())
+        res["copy_is_bf16"] = all(w.dtype == torch.bfloat16 for w in s.weights.values())
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    backend, device_kind, out = sys.argv[1:4]
+    world = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(worker, args=(world, backend, device_kind, port, out), nprocs=world, join=True)
+    with open(out) as f:
+        print(f.read())
