@@ -18,6 +18,7 @@ _BENCHES = (
     "vmm_calls",
     "megatron",
     "rollout",
+    "numa",
 )
 
 

@@ -87,6 +87,8 @@ def main() -> None:
         n += 1
     print(auto.plan)
     shape = auto._control.shapes[auto._control.expect]
+    settled = shape.plan
+    rows.append((f"auto settled ({n} steps)", timed(lambda: auto, steps=12), auto.stats().offloaded_bytes))
     full = shape.search._full  # the plan before the search shrank it
     for k in (1, 3, 6, 12, 24, len(full)):
         shape.plan = dataclasses.replace(auto.plan, chosen=full[:k])
@@ -112,6 +114,8 @@ def main() -> None:
             prof.disable()
             print("--- host time by function, 3 steps with plan prefix 3")
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    shape.plan = settled
+    rows.append(("none (again, last)", timed(contextlib.nullcontext, steps=12), 0))
     base = rows[0][1][0]
     head = ("who", "dev ms", "min", "max", "host fwd", "host bwd", "x none", "GiB off")
     print("{:32} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8}".format(*head))

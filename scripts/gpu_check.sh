@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -37,6 +37,8 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
   grep -E 'MemTotal|MemAvailable|HugePages_Total' /proc/meminfo
   cat /sys/kernel/mm/transparent_hugepage/enabled
   nproc
+  ls -d /sys/devices/system/node/node* 2>/dev/null | tr '\n' ' '; echo
+  nvidia-smi topo -m 2>/dev/null | head -4
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
@@ -104,6 +106,10 @@ if [[ $what == all || $what == bench || $what == bench-megatron ]]; then
   [[ $what == bench-megatron ]] && extra=("$@")
   python3 -m rlmem bench megatron --machine "$name" --json "$OUT/megatron-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_megatron.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == all || $what == bench || $what == bench-numa ]]; then
+  python3 -m rlmem bench numa --machine "$name" --json "$OUT/numa-$name.json" 2>&1 | tee "$OUT/bench_numa.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == all || $what == bench || $what == bench-rollout ]]; then

@@ -15,7 +15,7 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["gpu_node", "node_count", "place"]
+__all__ = ["gpu_bus_id", "gpu_node", "node_count", "node_cpus", "pages_by_node", "place"]
 
 SYSFS = Path("/sys")
 _MPOL_PREFERRED = 1
@@ -32,18 +32,66 @@ def node_count(root: Path = SYSFS) -> int:
     return max(n, 1)
 
 
-def gpu_node(index: int, root: Path = SYSFS) -> int | None:
-    """The NUMA node of CUDA device ``index`` (None if unknown or the host has one node)."""
-    if node_count(root) <= 1:
-        return None
+def node_cpus(root: Path = SYSFS) -> dict[int, list[int]]:
+    """The CPUs of each NUMA node, from ``nodeN/cpulist`` (empty when the kernel reports no nodes)."""
+    out: dict[int, list[int]] = {}
+    d = root / "devices" / "system" / "node"
+    try:
+        nodes = sorted(
+            int(p.name[4:]) for p in d.iterdir() if p.name.startswith("node") and p.name[4:].isdigit()
+        )
+    except OSError:
+        return out
+    for n in nodes:
+        try:
+            text = (d / f"node{n}" / "cpulist").read_text().strip()
+        except OSError:
+            continue
+        cpus: list[int] = []
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+        out[n] = cpus
+    return out
+
+
+def gpu_bus_id(index: int) -> str | None:
+    """The PCI address of CUDA device ``index`` as sysfs names it (``0000:1b:00.0``), None if unknown."""
     try:
         import torch
 
         props = torch.cuda.get_device_properties(index)
-        bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
     except (AttributeError, RuntimeError, AssertionError):
         return None
+
+
+def gpu_node(index: int, root: Path = SYSFS) -> int | None:
+    """The NUMA node of CUDA device ``index`` (None if unknown or the host has one node)."""
+    if node_count(root) <= 1:
+        return None
+    bus_id = gpu_bus_id(index)
+    if bus_id is None:
+        return None
     return _read_node(root / "bus" / "pci" / "devices" / bus_id / "numa_node")
+
+
+def pages_by_node(addr: int, maps: Path = Path("/proc/self/numa_maps")) -> dict[int, int]:
+    """Pages of the mapping that starts at ``addr`` on each node, as the kernel reports them (empty when it
+    does not)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        head, _, rest = line.partition(" ")
+        if head and int(head, 16) == addr:
+            return {
+                int(k[1:]): int(v)
+                for k, _, v in (f.partition("=") for f in rest.split())
+                if k[:1] == "N" and k[1:].isdigit()
+            }
+    return {}
 
 
 def _read_node(path: Path) -> int | None:
