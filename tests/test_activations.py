@@ -371,11 +371,14 @@ def test_budget_auto_measures_then_offloads():
     assert plan is not None and plan.baseline_s > 0 and not plan.trials
     assert "budget=auto" in str(plan) and plan.reasons and "without offloading" in str(plan)
     assert plan.chosen  # on this model everything fits under 50%
-    got = run(model, off)  # the plan runs and is measured against the reference
+    got = run(model, off)  # a pair's first half: the step without offloading, just before the plan's
+    assert_same(ref, got)
+    assert off.stats().offloaded_bytes == 0 and seen[-1] is None
+    got = run(model, off)  # the plan runs and is measured against the step before it
     assert_same(ref, got)
     assert first[0] == got[0]
     assert off.stats().offloaded_bytes > 0
-    for _ in range(24):
+    for _ in range(100):
         if off.settled:
             break
         assert_same(ref, run(model, off))
@@ -426,7 +429,7 @@ def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):
 
     monkeypatch.setattr(_transfer.HostCopies, "copy_out", staticmethod(slow_copy))
     sizes = []
-    for _ in range(26):  # each prefix is measured three times
+    for _ in range(60):  # each prefix is measured three times or more, each after a step without it
         got = run(model, off)
         assert_same(ref, got)  # gradients bit-equal whatever the plan is at each step
         sizes.append(off.stats().offloaded_tensors)
@@ -463,10 +466,43 @@ def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
     search = _actplan.PrefixSearch(plan, 1.0, 0.05)
     search.record(1.5)  # the first step of a plan pays for what it allocates: the median counts
     search.record(1.01)
-    assert not search.done
     search.record(1.02)
+    assert not search.done  # three steps 49% apart: three more before the median counts
+    for t in (1.01, 1.03, 1.02):
+        search.record(t)
     assert search.done and len(search.plan.chosen) == 20
     assert search.plan.trials == ((20, pytest.approx(0.02)),)
+
+
+def test_prefix_search_pairs_each_step_with_one_without_offloading():
+    c = tuple(_actplan.Candidate("core_attn", i, 100, produced_s=float(i)) for i in range(20))
+    plan = _actplan.choose(
+        list(c),
+        budget="auto",
+        d2h_bytes_per_s=1e9,
+        forward_s=100.0,
+        step_s=200.0,
+        activation_bytes=2000,
+        max_overhead=0.05,
+    )
+    # The step drifts 10% slower over the search (the reference of 1.0 s was taken before): the whole plan
+    # adds 3% to the steps around it and is kept; against the old reference it would have been shrunk.
+    search = _actplan.PrefixSearch(plan, 1.0, 0.05)
+    for _ in range(3):
+        assert search.wants_reference
+        search.record_reference(1.1)
+        assert not search.wants_reference
+        search.record(1.1 * 1.03)
+    assert search.done and len(search.plan.chosen) == 20
+    assert search.plan.trials == ((20, pytest.approx(0.03)),)
+    # Pairs whose ratios spread over twice the limit: more pairs (up to 6), then the median counts.
+    search = _actplan.PrefixSearch(plan, 1.0, 0.05)
+    for i, ratio in enumerate([1.0, 1.3, 1.02, 1.01, 1.04, 1.2]):
+        search.record_reference(1.0)
+        search.record(ratio)
+        assert search.done == (i == 5)
+    assert search.plan.trials == ((20, pytest.approx((1.02 + 1.04) / 2 - 1)),)
+    assert len(search.plan.chosen) == 20
 
 
 def test_prefix_search_spreads_over_the_layers():
@@ -489,7 +525,7 @@ def test_budget_auto_plans_each_input_shape_apart():
     model = make("qwen2")
     ref_short, ref_long = run(make("qwen2")), run(make("qwen2"), length=100)
     off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.99)
-    for _ in range(30):
+    for _ in range(100):
         run(model, off)
         if off.settled:
             break
@@ -500,7 +536,11 @@ def test_budget_auto_plans_each_input_shape_apart():
     assert off.stats().offloaded_bytes == 0 and len(off.plans) == 1 and off.plan is None
     run(model, off, length=100, steps=3)  # its reference steps
     assert off.plan is not short and off.plan.baseline_s > 0 and len(off.plans) == 2
-    got = run(model, off)  # back to the short shape: its settled plan runs at once
+    # Back to the short shape. This step was entered as the long shape's next reference step (the offloader
+    # out of it), which a step cannot leave halfway: it runs as it is, and the next one runs the short plan.
+    assert_same(ref_short, run(model, off))
+    assert off.plan is short and off.stats().offloaded_bytes == 0
+    got = run(model, off)
     assert_same(ref_short, got)
     assert off.plan is short and off.stats().offloaded_bytes >= short.offload_bytes > 0
 

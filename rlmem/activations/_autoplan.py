@@ -1,6 +1,7 @@
 """The budget mode's loop, per input shape: measure a step (nothing offloaded), measure the same step with
-the offloader out of the way, choose a plan from both, then measure the steps that run with it and shrink
-it until it adds no more than ``max_overhead`` (``_budget.PrefixSearch``).
+the offloader out of the way, choose a plan from both, then measure the steps that run with it, each
+paired with a step without it, and shrink it until it adds no more than ``max_overhead``
+(``_budget.PrefixSearch``).
 
 The step without the offloader is the reference because the measured step is not: recording what every
 scope saves costs time of its own, and the first step of a process pays for warming caches. A plan checked
@@ -21,8 +22,11 @@ if TYPE_CHECKING:
 PROFILE = "profile"  # record what each scope saves and when; nothing offloaded
 BASELINE = "baseline"  # the offloader stays out of the step: its time is the reference
 TRIAL = "trial"  # offload a prefix of the plan and measure the step
+REFERENCE = "reference"  # during the search: the offloader stays out, the step pairs with the next trial
 RUN = "run"  # offload the settled plan; nothing measured, no host sync
 IDLE = "idle"  # the settled plan is empty: the offloader stays out of the step
+
+OUT_OF_STEP = (BASELINE, REFERENCE, IDLE)  # modes in which the offloader stays out of the step
 
 _TRIES = 8  # prefixes measured per shape before the search keeps what it has
 _REFERENCE_STEPS = 3  # the reference is the median of these: one slow step must not let a plan pass
@@ -73,7 +77,7 @@ class BudgetControl:
         if s.plan is None:
             return BASELINE
         if s.search is not None and not s.search.done:
-            return TRIAL
+            return REFERENCE if s.search.wants_reference else TRIAL
         return RUN if s.plan.chosen else IDLE
 
     def begin(self) -> str:
@@ -91,7 +95,7 @@ class BudgetControl:
         if key == self._entered_for or bypass:
             return False
         mode = self.mode_for(key)
-        self.mode = RUN if mode in (BASELINE, IDLE) else mode
+        self.mode = RUN if mode in OUT_OF_STEP else mode
         return True
 
     def selection(self) -> set[tuple[str, int]]:
@@ -119,6 +123,10 @@ class BudgetControl:
             s.reference.append(_step_s(off))
             if len(s.reference) >= _REFERENCE_STEPS:
                 self._plan(off, key, sorted(s.reference)[len(s.reference) // 2])
+        elif mode == REFERENCE and key == self._entered_for:
+            s = self.shapes[key]
+            assert s.search is not None
+            s.search.record_reference(_step_s(off))
         elif mode == TRIAL:
             s = self.shapes[key]
             assert s.search is not None

@@ -324,18 +324,31 @@ class PrefixSearch:
 
     The whole plan is measured first; while a prefix adds too much, the search halves towards the longest
     one measured within the limit, and stops when the gap is under 1/16 of the plan or after ``tries``
-    prefixes, keeping the longest prefix measured within the limit (none, if none was). Each prefix runs
-    ``repeats`` steps and counts by their median: the first step of a new plan pays once for what it
-    allocates (the caching allocator grows), and a host that stalls now and then must not decide either
-    way; the user's steps are judged by their typical time, not their best.
+    prefixes, keeping the longest prefix measured within the limit (none, if none was).
+
+    Each step of a prefix is paired with a step without offloading just before it (:attr:`wants_reference`,
+    :meth:`record_reference`; without them the reference given at the start stands in) and the prefix
+    counts by the median of the pairs' ratios: a step time that drifts over the run (clocks, a host that
+    does other work) moves both halves of a pair, and the first step of a new plan, which pays once for
+    what it allocates, is outvoted. A prefix runs ``repeats`` pairs, and up to ``max_repeats`` while the
+    ratios spread over more than twice the limit (a step that syncs the host often, such as an MoE's
+    expert loop, varies by tens of percent): the user's steps are judged by their typical time.
     """
 
     def __init__(
-        self, plan: OffloadPlan, baseline_s: float, limit: float, *, tries: int = 8, repeats: int = 3
+        self,
+        plan: OffloadPlan,
+        baseline_s: float,
+        limit: float,
+        *,
+        tries: int = 8,
+        repeats: int = 3,
+        max_repeats: int = 6,
     ) -> None:
-        assert baseline_s > 0 and tries >= 1 and repeats >= 1
-        self._repeats = repeats
-        self._seen: list[float] = []
+        assert baseline_s > 0 and tries >= 1 and 1 <= repeats <= max_repeats
+        self._repeats, self._max_repeats = repeats, max_repeats
+        self._seen: list[float] = []  # this prefix's steps
+        self._refs: list[float] = []  # the step without offloading before each of them
         self._full = balanced(plan.chosen)
         self._limit = limit
         self._tries = tries
@@ -349,14 +362,28 @@ class PrefixSearch:
     def done(self) -> bool:
         return self.plan.settled
 
+    @property
+    def wants_reference(self) -> bool:
+        """Whether the next step should run without offloading (the first half of a pair)."""
+        return not self.done and len(self._refs) <= len(self._seen)
+
+    def record_reference(self, step_s: float) -> None:
+        """Record a step that ran without offloading, paired with the next step of the prefix."""
+        assert self.wants_reference
+        self._refs.append(step_s)
+
     def record(self, step_s: float) -> OffloadPlan:
         """Record a step that ran with the current prefix; returns the plan to run next."""
         assert not self.done
         self._seen.append(step_s)
-        if len(self._seen) < self._repeats:
+        refs = [r if r > 0 else self._baseline for r in self._refs]
+        refs += [self._baseline] * (len(self._seen) - len(refs))  # unpaired: the reference of the start
+        ratios = sorted(t / r for t, r in zip(self._seen, refs, strict=False))
+        n = len(ratios)
+        if n < self._repeats or (n < self._max_repeats and ratios[-1] - ratios[0] > 2 * self._limit):
             return self.plan
-        over = sorted(self._seen)[len(self._seen) // 2] / self._baseline - 1
-        self._seen = []
+        over = (ratios[(n - 1) // 2] + ratios[n // 2]) / 2 - 1
+        self._seen, self._refs = [], []
         trials = (*self.plan.trials, (self.k, over))
         reasons = list(self.plan.reasons)
         if over <= self._limit:

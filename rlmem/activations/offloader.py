@@ -250,7 +250,9 @@ class ActivationOffloader:
         assert self._control is not None
         profile = mode == _autoplan.PROFILE
         self._measure = {} if profile else None
-        self._select(None if profile else self._control.selection())
+        # Out of the step (a reference step too): no layer keeps a hook, whose host time would count.
+        out = mode in _autoplan.OUT_OF_STEP
+        self._select(None if profile else set() if out else self._control.selection())
 
     @property
     def plan(self) -> _budget.OffloadPlan | None:
@@ -520,7 +522,7 @@ class ActivationOffloader:
         c = self._control
         if c is not None:
             mode = c.begin()
-            self._bypass = mode in (_autoplan.BASELINE, _autoplan.IDLE)
+            self._bypass = mode in _autoplan.OUT_OF_STEP
             self._apply(mode)
             self._times = (
                 {}

@@ -90,7 +90,7 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def warm_steps(handle: Any, done: int, warm: int, cap: int = 32) -> int:
+def warm_steps(handle: Any, done: int, warm: int, cap: int = 128) -> int:
     """Untimed steps before the timed ones: ``warm``, plus one more each time ``done`` reaches it while a
     budget-mode activation handle is still measuring its plan (``handle.settled``), at most ``cap``."""
     if done == warm and not getattr(handle, "settled", True) and warm < cap:
