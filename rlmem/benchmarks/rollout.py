@@ -154,7 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--merge", action="store_true", help="keep batch sizes of an existing JSON not run now")
+    p.add_argument(
+        "--capture-batch",
+        type=int,
+        default=None,
+        help="the batch whose buckets capture_s times (default: the largest of --batches)",
+    )
     args = run_.parse(argv)
+    batches = [int(x) for x in args.batches.split(",") if x.strip()]
+    if not batches and not args.capture_batch:
+        run_.error("--batches is empty: give --capture-batch to time the capture alone")
+    if args.capture_batch is not None and args.capture_batch < 1:
+        run_.error(f"--capture-batch must be >= 1, got {args.capture_batch}")
     if not run_.needs_cuda():
         return 2
     device = run_.device
@@ -170,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     # capture time: one sampler of the largest batch and the rollout's length, every graph it can replay
     # (each batch-size bucket over each cache-length bucket)
     max_len = args.prompt_len + args.new_tokens
-    cap = _sampler(model, max(int(b) for b in args.batches.split(",")), max_len, "on", vocab)
+    cap_batch = args.capture_batch or max(batches)
+    cap = _sampler(model, cap_batch, max_len, "on", vocab)
     t_cap = cap.capture()
     captures = cap.captures
     cap_pool = cap.graph_pool_bytes
@@ -178,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     del cap
     gc.collect()
     torch.cuda.empty_cache()
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in batches:
         r = measure(model, b, args, vocab, device)
         mean_ctx = args.prompt_len + args.new_tokens / 2
         bound_s = (weight_bytes + b * mean_ctx * kv_token) / bw
@@ -221,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary: dict[str, Any] = {
         "capture_s": t_cap,
+        "capture_batch": cap_batch,
         "buckets_captured": captures,
         "graph_pool_bytes": cap_pool,
         "recaptures_over_100_cycles": rec["recaptures"],

@@ -356,10 +356,11 @@ class HFSampler:
                 for length in lengths:
                     if length not in d.graphs:
                         self._use_rows(full, rows, length)
-                        self._capture(d, length)
+                        self._capture(d, length, count=False)
         finally:
             self._use_rows(full, None)
             self.cache.reset()
+            self._count_pool()
         torch.cuda.synchronize(self.region.device)
         return time.perf_counter() - t0
 
@@ -380,7 +381,7 @@ class HFSampler:
         return d.logits
 
     @torch.no_grad()  # with autograd on, the logits buffer would keep every graph's activations alive
-    def _capture(self, d: _Decode, length: int) -> Any:
+    def _capture(self, d: _Decode, length: int, *, count: bool = True) -> Any:
         # Warm-up runs write this step's keys and values and advance the cache's length counters: keep the
         # counters and put them back (the replay rewrites the same slot).
         lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
@@ -402,19 +403,32 @@ class HFSampler:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # The model's own output is a temporary of the pool, so graphs of other lengths reuse its memory.
-        with torch.cuda.graph(graph, pool=self._pool):
-            d.logits.copy_(self._forward(d.ids, mask, d.pos))
-        # The pool's segments are reserved for the graphs alone and stay reserved while they live (through
-        # sleep and the train phase too). Counted from the allocator's segments: the difference of the
-        # reserved bytes around a capture would also see the cache emptied as the capture begins.
+        # Captured on the side stream, not through ``torch.cuda.graph``: that empties PyTorch's device and
+        # host caches before every capture, and the next warm-up then allocates all again from the driver
+        # (most of a capture's time when the buckets are captured in a row).
+        side.wait_stream(torch.cuda.current_stream(self.region.device))
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self._pool)
+            try:
+                d.logits.copy_(self._forward(d.ids, mask, d.pos))
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.region.device).wait_stream(side)
+        d.graphs[length] = graph
+        self.captures += 1
+        if count:
+            self._count_pool()
+        return graph
+
+    def _count_pool(self) -> None:
+        """The pool's segments are reserved for the graphs alone and stay reserved while they live (through
+        sleep and the train phase too). Counted from the allocator's segments: the difference of the
+        reserved bytes around a capture would also see what the capture allocated for other pools."""
         self.graph_pool_bytes = sum(
             seg["total_size"]
             for seg in torch.cuda.memory_snapshot()
-            if tuple(seg.get("segment_pool_id", ())) == tuple(self._pool)
+            if self._pool is not None and tuple(seg.get("segment_pool_id", ())) == tuple(self._pool)
         )
-        d.graphs[length] = graph
-        self.captures += 1
-        return graph
 
     def order_after(self, event: Any) -> None:
         """Run the next :meth:`generate` on the sampler's own CUDA stream, ordered after ``event`` alone
