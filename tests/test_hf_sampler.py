@@ -274,6 +274,11 @@ def test_capture_up_front_covers_every_bucket():
     assert s.captures == 3 * 3  # rows 1, 2 and 4 over lengths 8, 16 and 24
     assert s.generate(PROMPTS, max_new_tokens=10, temperature=0) == want
     assert s.captures == 9 and s.graph_pool_bytes > 0
+    one = HFSampler(model, cuda_graphs="on", **kw)
+    one.generate([[1, 5]], max_new_tokens=3, temperature=0)
+    assert one.captures == 1
+    # The graphs share their pool's memory (one capture stream: freed blocks are reused across graphs).
+    assert s.graph_pool_bytes <= 2 * one.graph_pool_bytes
     s.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         s.capture()

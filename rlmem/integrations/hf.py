@@ -193,6 +193,7 @@ class HFSampler:
         self.graph_pool_bytes = 0  # device memory the captured graphs' private pool holds
         self._after: Any = None  # order_after()'s event, for the next generate()
         self._stream: Any = None  # the sampler's own stream, made on the first order_after()
+        self._capture_stream: Any = None  # where the graphs are warmed up and captured
         self._fingerprint: tuple[int, ...] = ()
 
     @property
@@ -386,7 +387,11 @@ class HFSampler:
         # counters and put them back (the replay rewrites the same slot).
         lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
         mask = d.mask[..., :length]
-        side = torch.cuda.Stream(self.region.device)
+        # One side stream for every capture: the pool's freed blocks are reused only by allocations on the
+        # stream that freed them, so graphs captured on streams of their own would not share memory.
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.region.device)
+        side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream(self.region.device))
         with torch.cuda.stream(side):
             # Twice before this sampler's first capture (lazy initialisation of the libraries), then once;
