@@ -15,13 +15,16 @@ A step of rlmem's attends over the cache-length bucket that holds its column (``
 
 Summary: ``graph_vs_bound_b64`` (bound over the graph step at batch 64), ``speedup_vs_hf_generate_b64``
 (``generate()`` with its static cache over the graph step), ``capture_s`` (``HFSampler.capture()``: every
-batch-size bucket over every cache-length bucket of the rollout's length), and
+batch-size bucket over every cache-length bucket of the rollout's length, the fused kernels compiled from
+an empty Inductor cache unless ``--warm-compile``), and
 ``recaptures_over_100_cycles`` (captures during 100 sleep/wake cycles with a short rollout in each).
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import tempfile
 import time
 from typing import Any
 
@@ -160,7 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the batch whose buckets capture_s times (default: the largest of --batches)",
     )
+    p.add_argument(
+        "--warm-compile",
+        action="store_true",
+        help="capture_s with Inductor's on-disk cache as found (default: an empty one, as on a new machine)",
+    )
     args = run_.parse(argv)
+    if not args.warm_compile:  # before anything compiles: the fused kernels are compiled from nothing
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="rlmem-inductor-")
     batches = [int(x) for x in args.batches.split(",") if x.strip()]
     if not batches and not args.capture_batch:
         run_.error("--batches is empty: give --capture-batch to time the capture alone")
@@ -252,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             "preset": args.preset,
             "batches": ",".join(sorted(res, key=int)),
             "prompt_len": args.prompt_len,
+            "inductor_cache": "as found" if args.warm_compile else "empty (capture_s compiles from nothing)",
             "new_tokens": args.new_tokens,
             "bandwidth_bytes_per_s": bw,
             "weight_bytes": weight_bytes,
