@@ -548,6 +548,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                 "skipped_updates": skipped,
                 **({"eval/reward": eval_reward} if eval_reward is not None else {}),
                 "kv_batch": sampler.batch_size,
+                "graph_captures": sampler.captures,  # so far: the same after step 0 unless the weights moved
                 "kv_bytes": sampler.kv_bytes,
                 **(_comm_figures(sw) if sw is not None and cfg.comms == "suspend" else {}),
                 **({"overlapped": sw.overlapped} if sw is not None and cfg.overlap_offload else {}),
