@@ -397,7 +397,7 @@ def test_layers_with_nothing_chosen_run_without_hooks():
     off = rlmem.offload_activations(model, ["attn_norm"], min_bytes=0, module_map=only0)
     seen = {i: [] for i in range(3)}
     for i, layer in enumerate(model.model.layers):
-        layer.mlp.register_forward_pre_hook(
+        layer.post_attention_layernorm.register_forward_pre_hook(
             lambda m, a, i=i: seen[i].append(torch._C._autograd._top_saved_tensors_default_hooks(False))
         )
     assert_same(ref, run(model, off))
@@ -408,6 +408,63 @@ def test_layers_with_nothing_chosen_run_without_hooks():
     # (when backward left layer 2), not when they were needed.
     st = off.stats()
     assert st.reloaded_on_demand == 0 and st.reloaded_prefetched > 0
+
+
+class _Blocks(nn.Module):
+    """Layers of three blocks: ``a``'s output (saved by its tanh) is ``b``'s input; ``c`` takes a new one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "a": nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+                    "b": nn.Sequential(nn.Linear(16, 16)),
+                    "c": nn.Sequential(nn.Linear(16, 16), nn.Sigmoid()),
+                }
+            )
+            for _ in range(2)
+        )
+        for layer in self.layers:
+            layer.forward = lambda x, m=layer: m["c"](m["b"](m["a"](x)) * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_blocks_of_a_chosen_layer_skip_the_hooks_unless_they_take_an_offloaded_storage():
+    def grads(off=None):
+        torch.manual_seed(0)
+        model = _Blocks()
+        x = torch.randn(8, 16, requires_grad=True)
+        seen = {}
+        for name in "bc":
+            model.layers[0][name][0].register_forward_pre_hook(
+                lambda m, a, name=name: seen.__setitem__(
+                    name, torch._C._autograd._top_saved_tensors_default_hooks(False)
+                )
+            )
+        with off(model) if off else contextlib.nullcontext():
+            model(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()], seen, model
+
+    ref, _, _ = grads()
+    mmap = rlmem.ModuleMap(layers="layers.*", modules={"attn_norm": "layers.0.a"})
+    handles = []
+
+    def off(model):
+        handles.append(rlmem.offload_activations(model, ["attn_norm"], min_bytes=0, module_map=mmap))
+        return handles[-1]
+
+    got, seen, _ = grads(off)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    st = handles[-1].stats()
+    assert st.offloaded_bytes > 0
+    # b saves a's offloaded output again: through the hooks, one copy shared (dedup), none kept twice.
+    assert seen["b"] is not None and st.dedup_hits >= 1
+    assert seen["c"] is None  # c takes a new tensor and holds nothing chosen: no hooks inside it
 
 
 def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):

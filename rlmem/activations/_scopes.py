@@ -84,6 +84,28 @@ def install(off: ActivationOffloader) -> list[Any]:
         # Outermost on the layer (it may itself be a chosen module): first in, last out.
         hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=True, prepend=True))
         hooks.append(layer.register_forward_hook(lambda *_: off._pop(), always_call=True))
+        hooks += _quiet_hooks(off, layer, i, [t for n in wanted for t in lm.targets.get(n, [])])
+    return hooks
+
+
+def _quiet_hooks(off: ActivationOffloader, layer: nn.Module, i: int, targets: list[Target]) -> list[Any]:
+    """On each block of layer ``i`` that holds modules of its own (attention, MLP, MoE block): the saved
+    tensors inside it skip the offloader's hooks when none of its own scopes is chosen and none of its
+    inputs shares an offloaded storage. In a layer with a chosen scope every saved tensor otherwise passes
+    the hooks (it might share an offloaded storage), and a block such as an MoE's expert loop saves
+    hundreds of tensors per layer, each a Python call there and back."""
+    hooks: list[Any] = []
+    for child in layer.children():
+        if next(child.children(), None) is None:
+            continue  # a leaf (a norm): one op, nothing to save time on
+        inside = {id(m) for m in child.modules()}
+        scopes = frozenset((t.name, i) for t in targets if t.layer == i and id(t.module) in inside)
+
+        def pre(mod: nn.Module, args: Any, kwargs: Any, scopes: frozenset = scopes) -> None:
+            off._enter_block(scopes, args, kwargs)
+
+        hooks.append(child.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+        hooks.append(child.register_forward_hook(lambda *_: off._leave_block(), always_call=True))
     return hooks
 
 

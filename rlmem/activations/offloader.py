@@ -164,6 +164,7 @@ class ActivationOffloader:
         self._active = False
         self._scope: list[tuple[str, int] | None] = []
         self._pushed: list[bool] = []
+        self._quiet: list[bool] = []  # per block entered: whether its hooks were lifted
         self._modes: list[TorchFunctionMode | None] = []
         self._gen = 0
         self._entries: list[Entry] = []
@@ -289,6 +290,34 @@ class ActivationOffloader:
         if push:
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack_fn, self._unpack_fn)
         self._pushed.append(push)
+
+    def _enter_block(self, scopes: frozenset[tuple[str, int]], args: tuple, kwargs: dict) -> None:
+        """A block of a layer begins (``_scopes._quiet_hooks``): lift this handle's hooks for its duration
+        when they are on only because the layer has a chosen scope elsewhere."""
+        quiet = False
+        if self._pushed and self._pushed[-1] and self._scope[-1] is None and self._live():
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            quiet = (
+                top is not None
+                and top[0] is self._pack_fn
+                and not any(self._wants(s) for s in scopes)
+                and not any(self._holds(a) for a in (*args, *kwargs.values()))
+            )
+        if quiet:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._quiet.append(quiet)
+
+    def _leave_block(self) -> None:
+        if self._quiet and self._quiet.pop():
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack_fn, self._unpack_fn)
+
+    def _holds(self, t: Any) -> bool:
+        """Whether ``t`` is a tensor over a storage offloaded this step."""
+        return (
+            isinstance(t, torch.Tensor)
+            and t.device == self.device
+            and t.untyped_storage().data_ptr() in self._by_storage
+        )
 
     def _pop(self) -> None:
         if not self._scope:
@@ -548,6 +577,8 @@ class ActivationOffloader:
                 c.end(self, None)
             return
         _scopes.leave(self)
+        while self._quiet:  # a block left by an exception: its layer's hooks back before they are popped
+            self._leave_block()
         while self._scope:
             self._pop()
         while self._modes:
