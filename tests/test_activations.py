@@ -527,8 +527,12 @@ def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
     assert not search.done  # three steps 49% apart: three more before the median counts
     for t in (1.01, 1.03, 1.02):
         search.record(t)
+    assert not search.done and search.checking  # kept: now three steps in a row, none between them
+    assert not search.wants_reference
+    for t in (1.03, 1.04, 1.02):
+        search.record(t)
     assert search.done and len(search.plan.chosen) == 20
-    assert search.plan.trials == ((20, pytest.approx(0.02)),)
+    assert search.plan.trials == ((20, pytest.approx(0.02)), (20, pytest.approx(0.03)))
 
 
 def test_prefix_search_pairs_each_step_with_one_without_offloading():
@@ -550,16 +554,28 @@ def test_prefix_search_pairs_each_step_with_one_without_offloading():
         search.record_reference(1.1)
         assert not search.wants_reference
         search.record(1.1 * 1.03)
-    assert search.done and len(search.plan.chosen) == 20
-    assert search.plan.trials == ((20, pytest.approx(0.03)),)
+    assert search.checking and not search.done
+    # In a row, the plan costs more than between reference steps: the search goes on below it.
+    for _ in range(3):
+        search.record(1.1 * 1.10)
+    assert not search.done and search.plan.trials[-1] == (20, pytest.approx(1.1 * 1.1 / 1.1 - 1))
+    assert "in a row" in str(search.plan)
+    while not search.done:  # below it, each candidate adds 0.5%, paired or in a row
+        if search.wants_reference:
+            search.record_reference(1.1)
+        else:
+            search.record(1.1 * (1 + 0.005 * search.k))
+    assert 0 < len(search.plan.chosen) < 20 and search.plan.trials[-1][1] <= 0.05
     # Pairs whose ratios spread over twice the limit: more pairs (up to 6), then the median counts.
     search = _actplan.PrefixSearch(plan, 1.0, 0.05)
     for i, ratio in enumerate([1.0, 1.3, 1.02, 1.01, 1.04, 1.2]):
         search.record_reference(1.0)
         search.record(ratio)
-        assert search.done == (i == 5)
+        assert search.checking == (i == 5)
     assert search.plan.trials == ((20, pytest.approx((1.02 + 1.04) / 2 - 1)),)
-    assert len(search.plan.chosen) == 20
+    for _ in range(3):
+        search.record(1.02)
+    assert search.done and len(search.plan.chosen) == 20
 
 
 def test_prefix_search_spreads_over_the_layers():

@@ -333,6 +333,10 @@ class PrefixSearch:
     what it allocates, is outvoted. A prefix runs ``repeats`` pairs, and up to ``max_repeats`` while the
     ratios spread over more than twice the limit (a step that syncs the host often, such as an MoE's
     expert loop, varies by tens of percent): the user's steps are judged by their typical time.
+
+    The prefix kept is then checked as it will run, ``repeats`` steps in a row with no step between them
+    (against the median of the reference steps): offloading steps that follow each other can cost more
+    than one between two that do not. If it adds too much, the search goes on below it.
     """
 
     def __init__(
@@ -349,12 +353,15 @@ class PrefixSearch:
         self._repeats, self._max_repeats = repeats, max_repeats
         self._seen: list[float] = []  # this prefix's steps
         self._refs: list[float] = []  # the step without offloading before each of them
+        self._all_refs: list[float] = [baseline_s]  # every reference step: the in-a-row check's reference
+        self._good: list[int] = []  # prefixes measured within the limit (in pairs)
         self._full = balanced(plan.chosen)
         self._limit = limit
         self._tries = tries
         self._lo, self._hi = 0, len(self._full) + 1  # longest prefix measured good, shortest measured bad
         self._step = max(1, len(self._full) // 16)
         self.k = len(self._full)  # the prefix the next step runs with
+        self.checking = False  # the kept prefix runs steps in a row
         self.plan = replace(plan, baseline_s=baseline_s, settled=not self._full)
         self._baseline = baseline_s
 
@@ -365,45 +372,77 @@ class PrefixSearch:
     @property
     def wants_reference(self) -> bool:
         """Whether the next step should run without offloading (the first half of a pair)."""
-        return not self.done and len(self._refs) <= len(self._seen)
+        return not self.done and not self.checking and len(self._refs) <= len(self._seen)
 
     def record_reference(self, step_s: float) -> None:
         """Record a step that ran without offloading, paired with the next step of the prefix."""
         assert self.wants_reference
         self._refs.append(step_s)
+        self._all_refs.append(step_s)
+
+    def _ratios(self) -> list[float]:
+        if self.checking:
+            ref = _median(self._all_refs)
+            return sorted(t / ref for t in self._seen)
+        refs = [r if r > 0 else self._baseline for r in self._refs]
+        refs += [self._baseline] * (len(self._seen) - len(refs))  # unpaired: the reference of the start
+        return sorted(t / r for t, r in zip(self._seen, refs, strict=False))
 
     def record(self, step_s: float) -> OffloadPlan:
         """Record a step that ran with the current prefix; returns the plan to run next."""
         assert not self.done
         self._seen.append(step_s)
-        refs = [r if r > 0 else self._baseline for r in self._refs]
-        refs += [self._baseline] * (len(self._seen) - len(refs))  # unpaired: the reference of the start
-        ratios = sorted(t / r for t, r in zip(self._seen, refs, strict=False))
+        ratios = self._ratios()
         n = len(ratios)
         if n < self._repeats or (n < self._max_repeats and ratios[-1] - ratios[0] > 2 * self._limit):
             return self.plan
-        over = (ratios[(n - 1) // 2] + ratios[n // 2]) / 2 - 1
+        over = _median(ratios) - 1
         self._seen, self._refs = [], []
         trials = (*self.plan.trials, (self.k, over))
         reasons = list(self.plan.reasons)
+        checked = self.checking
+        self.checking = False
         if over <= self._limit:
+            if checked:  # the kept prefix holds in a row too
+                return self._settle(trials, reasons, checked=True)
             self._lo = self.k
+            self._good.append(self.k)
         else:
             self._hi = self.k
+            self._good = [g for g in self._good if g < self.k]
+            self._lo = max(self._good, default=0)
+            what = "in a row" if checked else ""
             reasons.append(
-                f"{self.k} candidates added {over:.1%} to the step, over the allowed {self._limit:.1%}"
+                f"{self.k} candidates added {over:.1%} to the step{' ' + what if what else ''}, over the "
+                f"allowed {self._limit:.1%}"
             )
         if self._hi - self._lo <= self._step or len(trials) >= self._tries:
-            self.k = self._lo
-            settled = True
-            if self._lo == 0:
-                reasons.append("nothing is offloaded: every plan measured added more than allowed")
-            elif self._lo < len(self._full):
-                reasons.append(f"kept the first {self._lo} of {len(self._full)} candidates")
-        else:
-            self.k = (self._lo + self._hi) // 2
-            settled = False
+            if self._lo > 0 and len(trials) < self._tries:
+                self.k, self.checking = self._lo, True  # check the prefix kept, steps in a row
+                self.plan = replace(
+                    self.plan, chosen=self._full[: self.k], trials=trials, reasons=tuple(reasons)
+                )
+                return self.plan
+            return self._settle(trials, reasons, checked=False)
+        self.k = (self._lo + self._hi) // 2
+        self.plan = replace(self.plan, chosen=self._full[: self.k], trials=trials, reasons=tuple(reasons))
+        return self.plan
+
+    def _settle(self, trials: tuple, reasons: list[str], *, checked: bool) -> OffloadPlan:
+        self.k = self._lo
+        if self._lo == 0:
+            reasons.append("nothing is offloaded: every plan measured added more than allowed")
+        elif self._lo < len(self._full):
+            reasons.append(f"kept the first {self._lo} of {len(self._full)} candidates")
+        if self._lo and not checked:
+            reasons.append("the prefix kept was not checked in a row: the tries ran out")
         self.plan = replace(
-            self.plan, chosen=self._full[: self.k], trials=trials, settled=settled, reasons=tuple(reasons)
+            self.plan, chosen=self._full[: self.k], trials=trials, settled=True, reasons=tuple(reasons)
         )
         return self.plan
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return (xs[(n - 1) // 2] + xs[n // 2]) / 2
