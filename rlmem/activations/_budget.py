@@ -336,7 +336,8 @@ class PrefixSearch:
 
     The prefix kept is then checked as it will run, ``repeats`` steps in a row with no step between them
     (against the median of the reference steps): offloading steps that follow each other can cost more
-    than one between two that do not. If it adds too much, the search goes on below it.
+    than one between two that do not. If it adds too much, the search goes on below it (checks are not
+    counted in ``tries``: each one that fails drops a prefix, and a plan settles only once checked).
     """
 
     def __init__(
@@ -362,6 +363,7 @@ class PrefixSearch:
         self._step = max(1, len(self._full) // 16)
         self.k = len(self._full)  # the prefix the next step runs with
         self.checking = False  # the kept prefix runs steps in a row
+        self._checks = 0  # in-a-row checks so far: not counted in ``tries`` (each failed one drops a prefix)
         self.plan = replace(plan, baseline_s=baseline_s, settled=not self._full)
         self._baseline = baseline_s
 
@@ -402,6 +404,7 @@ class PrefixSearch:
         reasons = list(self.plan.reasons)
         checked = self.checking
         self.checking = False
+        self._checks += checked
         if over <= self._limit:
             if checked:  # the kept prefix holds in a row too
                 return self._settle(trials, reasons, checked=True)
@@ -416,8 +419,9 @@ class PrefixSearch:
                 f"{self.k} candidates added {over:.1%} to the step{' ' + what if what else ''}, over the "
                 f"allowed {self._limit:.1%}"
             )
-        if self._hi - self._lo <= self._step or len(trials) >= self._tries:
-            if self._lo > 0 and len(trials) < self._tries:
+        searched = len(trials) - self._checks >= self._tries
+        if self._hi - self._lo <= self._step or searched:
+            if self._lo > 0:
                 self.k, self.checking = self._lo, True  # check the prefix kept, steps in a row
                 self.plan = replace(
                     self.plan, chosen=self._full[: self.k], trials=trials, reasons=tuple(reasons)
@@ -429,13 +433,12 @@ class PrefixSearch:
         return self.plan
 
     def _settle(self, trials: tuple, reasons: list[str], *, checked: bool) -> OffloadPlan:
+        assert checked or self._lo == 0
         self.k = self._lo
         if self._lo == 0:
             reasons.append("nothing is offloaded: every plan measured added more than allowed")
         elif self._lo < len(self._full):
             reasons.append(f"kept the first {self._lo} of {len(self._full)} candidates")
-        if self._lo and not checked:
-            reasons.append("the prefix kept was not checked in a row: the tries ran out")
         self.plan = replace(
             self.plan, chosen=self._full[: self.k], trials=trials, settled=True, reasons=tuple(reasons)
         )
