@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
+from _helpers import spawn_ranks
 from _models import make
 
 from rlmem import TrainState
@@ -100,7 +99,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def worker(rank: int, world: int, kind: str, backend: str, device_kind: str, port: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, out: str, kind: str, backend: str, device_kind: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     if device_kind == "cuda":
@@ -130,10 +129,4 @@ def worker(rank: int, world: int, kind: str, backend: str, device_kind: str, por
 
 if __name__ == "__main__":
     kind, backend, device_kind, out = sys.argv[1:5]
-    world = int(sys.argv[5]) if len(sys.argv) > 5 else 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(world, kind, backend, device_kind, port, out), nprocs=world, join=True)
-    with open(out) as f:
-        print(f.read())
+    spawn_ranks(worker, int(sys.argv[5]) if len(sys.argv) > 5 else 2, out, kind, backend, device_kind)

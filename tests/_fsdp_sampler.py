@@ -10,36 +10,18 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-import transformers
+from _helpers import spawn_ranks
+from _models import PROMPTS, tiny_qwen2
 
 from rlmem.integrations.hf import HFSampler
-
-PROMPTS = [[1, 5, 6, 7, 3], [1, 8, 3], [1, 4, 9, 4, 12, 4, 3], [1, 9, 3], [1, 10, 11, 3]]
-
-
-def tiny(device: str) -> torch.nn.Module:
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=14,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        initializer_range=0.5,
-    )
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(cfg).to(device)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: str) -> None:
@@ -52,7 +34,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: str) 
     model.eval()
 
 
-def worker(rank: int, world: int, backend: str, device_kind: str, port: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, out: str, backend: str, device_kind: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     if device_kind == "cuda":
@@ -62,7 +44,7 @@ def worker(rank: int, world: int, backend: str, device_kind: str, port: int, out
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        model = tiny(device)
+        model = tiny_qwen2(device)
         ref = copy.deepcopy(model)
         mesh = init_device_mesh(device_kind, (world,))
         for layer in model.model.layers:
@@ -107,10 +89,4 @@ def worker(rank: int, world: int, backend: str, device_kind: str, port: int, out
 
 if __name__ == "__main__":
     backend, device_kind, out = sys.argv[1:4]
-    world = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(worker, args=(world, backend, device_kind, port, out), nprocs=world, join=True)
-    with open(out) as f:
-        print(f.read())
+    spawn_ranks(worker, int(sys.argv[4]) if len(sys.argv) > 4 else 2, out, backend, device_kind)

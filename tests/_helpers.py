@@ -1,13 +1,16 @@
-"""Test helpers: bit-level comparison, random contents, and running code in a fresh process."""
+"""Test helpers: bit-level comparison, random contents, running code in a fresh process, and ranks of a
+process group spawned by a script."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,3 +46,16 @@ def run_fresh(code: str, timeout: float = 600) -> dict:
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def spawn_ranks(worker: Any, world: int, out: str, *args: Any) -> None:
+    """Run ``worker(rank, world, port, out, *args)`` in ``world`` processes (``port``: a free one for the
+    process group's rendezvous), then print what rank 0 wrote to ``out``."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(world, port, out, *args), nprocs=world, join=True)
+    with open(out) as f:
+        print(f.read())

@@ -1,4 +1,5 @@
-"""Small models for state tests: tied weights, a frozen layer, a non-contiguous and a bf16 parameter."""
+"""Small models for tests: tied weights, a frozen layer, a non-contiguous and a bf16 parameter (state tests);
+a tiny Qwen2 and prompts for it (sampler tests)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,25 @@ OPTIMIZERS = {
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
     "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
 }
+
+
+PROMPTS = [[1, 5, 6, 7, 3], [1, 8, 3], [1, 4, 9, 4, 12, 4, 3], [1, 9, 3], [1, 10, 11, 3]]
+
+
+def tiny_qwen2(device: str) -> nn.Module:
+    """A 2-layer Qwen2 with tied embeddings over a 14-token vocabulary, in eval mode."""
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=14,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        initializer_range=0.5,  # wide random weights: completions differ from prompt to prompt
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg).to(device).eval()

@@ -498,7 +498,8 @@ def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):
     assert sizes[-1] == 0 and seen[-1] is None  # settled on nothing: the offloader stays out of the step
 
 
-def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
+def _one_per_layer_plan() -> tuple[tuple, _actplan.OffloadPlan]:
+    """20 candidates, one per layer, all chosen by an auto plan at a 5% limit."""
     c = tuple(_actplan.Candidate("core_attn", i, 100, produced_s=float(i)) for i in range(20))
     plan = _actplan.choose(
         list(c),
@@ -509,6 +510,11 @@ def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
         activation_bytes=2000,
         max_overhead=0.05,
     )
+    return c, plan
+
+
+def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
+    c, plan = _one_per_layer_plan()
     assert len(plan.chosen) == 20
     search = _actplan.PrefixSearch(plan, 1.0, 0.05)
     steps = 0
@@ -519,7 +525,7 @@ def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
     assert len(search.plan.trials) <= 8 and steps == 3 * len(search.plan.trials)
     assert search.plan.trials[0] == (20, pytest.approx(0.198))
     assert "kept the first 5 of 20" in str(search.plan)
-    # A plan measured within the limit at once is kept whole after one step.
+    # A plan measured within the limit at once is kept whole once checked in a row.
     search = _actplan.PrefixSearch(plan, 1.0, 0.05)
     search.record(1.5)  # the first step of a plan pays for what it allocates: the median counts
     search.record(1.01)
@@ -536,16 +542,7 @@ def test_prefix_search_keeps_the_longest_prefix_within_the_limit():
 
 
 def test_prefix_search_pairs_each_step_with_one_without_offloading():
-    c = tuple(_actplan.Candidate("core_attn", i, 100, produced_s=float(i)) for i in range(20))
-    plan = _actplan.choose(
-        list(c),
-        budget="auto",
-        d2h_bytes_per_s=1e9,
-        forward_s=100.0,
-        step_s=200.0,
-        activation_bytes=2000,
-        max_overhead=0.05,
-    )
+    _, plan = _one_per_layer_plan()
     # The step drifts 10% slower over the search (the reference of 1.0 s was taken before): the whole plan
     # adds 3% to the steps around it and is kept; against the old reference it would have been shrunk.
     search = _actplan.PrefixSearch(plan, 1.0, 0.05)

@@ -7,26 +7,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _models import PROMPTS, tiny_qwen2  # noqa: E402
+
 from rlmem import OffloadConfig, PhaseManager  # noqa: E402
 from rlmem.integrations.hf import HFSampler, kv_bytes_per_token  # noqa: E402
-
-PROMPTS = [[1, 5, 6, 7, 3], [1, 8, 3], [1, 4, 9, 4, 12, 4, 3], [1, 9, 3], [1, 10, 11, 3]]
-
-
-def tiny(device: str) -> torch.nn.Module:
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=14,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        initializer_range=0.5,  # wide random weights: completions differ from prompt to prompt
-    )
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(cfg).to(device).eval()
 
 
 def reference(model, prompt, n):
@@ -41,7 +25,7 @@ def reference(model, prompt, n):
 
 
 def test_batched_greedy_matches_unbatched_generate(device):
-    model = tiny(device)
+    model = tiny_qwen2(device)
     s = HFSampler(model, max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
     got = s.generate(PROMPTS, max_new_tokens=10, temperature=0)
     assert got == [reference(model, p, 10) for p in PROMPTS]
@@ -50,7 +34,7 @@ def test_batched_greedy_matches_unbatched_generate(device):
 
 
 def test_cache_lives_in_the_region_and_sleeps(device):
-    model = tiny(device)
+    model = tiny_qwen2(device)
     s = HFSampler(model, max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
     r = s.region
     ptrs = [t.data_ptr() for layer in s.cache.layers for t in (layer.keys, layer.values)]
@@ -66,7 +50,7 @@ def test_cache_lives_in_the_region_and_sleeps(device):
 
 
 def test_sampling_is_reproducible_with_a_seed(device):
-    s = HFSampler(tiny(device), max_len=24, batch_size=3, pad_token_id=0, eos_token_id=2)
+    s = HFSampler(tiny_qwen2(device), max_len=24, batch_size=3, pad_token_id=0, eos_token_id=2)
     a = s.generate(PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
     torch.rand(5)  # the global RNG does not matter
     b = s.generate(PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
@@ -75,7 +59,7 @@ def test_sampling_is_reproducible_with_a_seed(device):
 
 
 def test_tiny_top_p_is_greedy_and_temperature_follows_the_softmax(device):
-    model = tiny(device)
+    model = tiny_qwen2(device)
     s = HFSampler(model, max_len=24, batch_size=5, pad_token_id=0, eos_token_id=2)
     greedy = s.generate(PROMPTS, max_new_tokens=6, temperature=0)
     assert s.generate(PROMPTS, max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=1) == greedy
@@ -89,7 +73,7 @@ def test_tiny_top_p_is_greedy_and_temperature_follows_the_softmax(device):
 
 
 def test_bad_sampling_arguments():
-    s = HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
+    s = HFSampler(tiny_qwen2("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
     for kwargs, name in [
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"max_new_tokens": 2, "temperature": -1.0}, "temperature"),
@@ -100,14 +84,14 @@ def test_bad_sampling_arguments():
     with pytest.raises(ValueError, match="at least one token"):
         s.generate([[]], max_new_tokens=2)
     with pytest.raises(ValueError, match="sync_every"):
-        HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, sync_every=0)
+        HFSampler(tiny_qwen2("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, sync_every=0)
     with pytest.raises(ValueError, match=r"event must be a torch\.cuda\.Event, got object"):
         s.order_after(object())
 
 
 @pytest.mark.cuda
 def test_bf16_autocast_cache_is_half_the_bytes():
-    model = tiny("cuda")
+    model = tiny_qwen2("cuda")
     s32 = HFSampler(model, max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
     s16 = HFSampler(
         model, max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, compute_dtype=torch.bfloat16
@@ -125,7 +109,7 @@ def test_bf16_autocast_cache_is_half_the_bytes():
 
 
 def test_size_from_a_budget_and_bad_sizes():
-    model = tiny("cpu")
+    model = tiny_qwen2("cpu")
     per_seq = kv_bytes_per_token(model.config, torch.float32) * 20
     assert per_seq == 2 * 2 * 2 * 16 * 4 * 20
     s = HFSampler(model, max_len=20, kv_budget_bytes=3 * per_seq + 7, pad_token_id=0, eos_token_id=2)
@@ -139,7 +123,7 @@ def test_size_from_a_budget_and_bad_sizes():
 
 
 def test_phase_manager_sleeps_it_in_train_and_wakes_it_for_rollout(device):
-    model = tiny(device)
+    model = tiny_qwen2(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True, params="keep"))
     s = HFSampler(model, max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
@@ -159,7 +143,7 @@ def test_phase_manager_sleeps_it_in_train_and_wakes_it_for_rollout(device):
 @pytest.mark.cuda
 def test_the_cache_is_never_held_twice():
     # The cache goes straight into the Region: PyTorch's allocator never holds a full-batch copy.
-    model = tiny("cuda")
+    model = tiny_qwen2("cuda")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -169,7 +153,7 @@ def test_the_cache_is_never_held_twice():
 
 
 def test_sampler_follows_the_engine_protocol(device):
-    model = tiny(device)
+    model = tiny_qwen2(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True, params="keep"))
     s = HFSampler(model, max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
@@ -196,21 +180,27 @@ def test_sampler_follows_the_engine_protocol(device):
 
 def test_cuda_graphs_config_is_checked():
     with pytest.raises(ValueError, match="cuda_graphs must be one of 'auto', 'on', 'off'"):
-        HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, cuda_graphs="yes")
+        HFSampler(
+            tiny_qwen2("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, cuda_graphs="yes"
+        )
     with pytest.raises(ValueError, match="cuda_graphs='on' needs a model on a CUDA device"):
-        HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, cuda_graphs="on")
-    s = HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
+        HFSampler(
+            tiny_qwen2("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, cuda_graphs="on"
+        )
+    s = HFSampler(tiny_qwen2("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)
     assert not s.cuda_graphs  # auto: off on the host
     assert s.kv_block == 64  # max_len / 8 rounded up to a multiple of 64: one bucket, the whole cache
     assert s.capture() == 0.0 and s.captures == 0  # nothing to capture without graphs
     for bad in (0, 12, 2.5):
         with pytest.raises(ValueError, match="kv_block must be a positive multiple of 8"):
-            HFSampler(tiny("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, kv_block=bad)
+            HFSampler(
+                tiny_qwen2("cpu"), max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2, kv_block=bad
+            )
 
 
 def test_decode_attends_over_its_length_bucket_only(device):
     # A step reads the cache columns of its length bucket, not the whole cache; tokens stay generate()'s.
-    model = tiny(device)
+    model = tiny_qwen2(device)
     kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8)
     s = HFSampler(model, cuda_graphs="off", **kw)
     seen = []
@@ -227,7 +217,7 @@ def test_decode_attends_over_its_length_bucket_only(device):
 
 @pytest.mark.cuda
 def test_cuda_graph_decode_is_eager_decode_and_survives_sleep_and_train():
-    model = tiny("cuda")
+    model = tiny_qwen2("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True))
     kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8)
@@ -264,7 +254,7 @@ def test_cuda_graph_decode_is_eager_decode_and_survives_sleep_and_train():
 
 @pytest.mark.cuda
 def test_capture_up_front_covers_every_bucket():
-    model = tiny("cuda")
+    model = tiny_qwen2("cuda")
     kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8)
     want = HFSampler(model, cuda_graphs="off", fused="on", **kw).generate(
         PROMPTS, max_new_tokens=10, temperature=0
@@ -298,7 +288,7 @@ def test_capture_up_front_covers_every_bucket():
 def test_cuda_graphs_follow_weights_that_move_during_the_prefill():
     # As FSDP2 does: the first forward of a rollout gathers the weights into new storage. Graphs captured
     # over last rollout's storage must not replay over this one's.
-    model = tiny("cuda")
+    model = tiny_qwen2("cuda")
     kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
     want = HFSampler(model, cuda_graphs="off", fused="on", **kw).generate(
         PROMPTS, max_new_tokens=10, temperature=0
@@ -327,12 +317,12 @@ def test_cuda_graphs_follow_weights_that_move_during_the_prefill():
 
 
 def test_rollout_copy_in_its_own_dtype_and_region(device):
-    model = tiny(device)
+    model = tiny_qwen2(device)
     kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
     s = HFSampler(model, rollout_dtype=torch.bfloat16, **kw)
     # the model's parameters themselves in bf16 (buffers such as the rotary table stay fp32, as the copy
     # leaves them), run as the copy is: under bf16 autocast
-    bf16 = tiny(device)
+    bf16 = tiny_qwen2(device)
     for p in bf16.parameters():
         p.data = p.data.to(torch.bfloat16)
     ref = HFSampler(bf16, compute_dtype=torch.bfloat16, **kw)
@@ -371,7 +361,7 @@ def test_fused_pieces_are_the_models_own_arithmetic():
     # inside the block the known modules are swapped, outside nothing is left of it.
     from rlmem.integrations import _fused
 
-    model = tiny("cpu")
+    model = tiny_qwen2("cpu")
     modeling = transformers.models.qwen2.modeling_qwen2
     rope = modeling.apply_rotary_pos_emb
     ids = torch.tensor([PROMPTS[2]])
@@ -405,7 +395,7 @@ def test_fused_leaves_other_models_alone():
 @pytest.mark.cuda
 def test_an_overlapped_switch_samples_while_the_optimizer_states_are_copied():
     def run(overlap: bool):
-        model = tiny("cuda")
+        model = tiny_qwen2("cuda")
         # 1 GiB of optimizer states beside the model: their copies to host memory take tens of ms
         model.register_parameter("ballast", torch.nn.Parameter(torch.zeros(128 << 20, device="cuda")))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
