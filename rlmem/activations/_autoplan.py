@@ -122,7 +122,7 @@ class BudgetControl:
             s = self.shapes[key]
             s.reference.append(_step_s(off))
             if len(s.reference) >= _REFERENCE_STEPS:
-                self._plan(off, key, sorted(s.reference)[len(s.reference) // 2])
+                self._plan(off, key, _budget.median(s.reference))
         elif mode == REFERENCE and key == self._entered_for:
             s = self.shapes[key]
             assert s.search is not None

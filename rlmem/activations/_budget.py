@@ -384,7 +384,7 @@ class PrefixSearch:
 
     def _ratios(self) -> list[float]:
         if self.checking:
-            ref = _median(self._all_refs)
+            ref = median(self._all_refs)
             return sorted(t / ref for t in self._seen)
         refs = [r if r > 0 else self._baseline for r in self._refs]
         refs += [self._baseline] * (len(self._seen) - len(refs))  # unpaired: the reference of the start
@@ -398,7 +398,7 @@ class PrefixSearch:
         n = len(ratios)
         if n < self._repeats or (n < self._max_repeats and ratios[-1] - ratios[0] > 2 * self._limit):
             return self.plan
-        over = _median(ratios) - 1
+        over = median(ratios) - 1
         self._seen, self._refs = [], []
         trials = (*self.plan.trials, (self.k, over))
         reasons = list(self.plan.reasons)
@@ -414,10 +414,9 @@ class PrefixSearch:
             self._hi = self.k
             self._good = [g for g in self._good if g < self.k]
             self._lo = max(self._good, default=0)
-            what = "in a row" if checked else ""
+            how = " in a row" if checked else ""
             reasons.append(
-                f"{self.k} candidates added {over:.1%} to the step{' ' + what if what else ''}, over the "
-                f"allowed {self._limit:.1%}"
+                f"{self.k} candidates added {over:.1%} to the step{how}, over the allowed {self._limit:.1%}"
             )
         searched = len(trials) - self._checks >= self._tries
         if self._hi - self._lo <= self._step or searched:
@@ -445,7 +444,8 @@ class PrefixSearch:
         return self.plan
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
+    """The median (the mean of the two middle values of an even count)."""
     xs = sorted(xs)
     n = len(xs)
     return (xs[(n - 1) // 2] + xs[n // 2]) / 2

@@ -84,7 +84,7 @@ def install(off: ActivationOffloader) -> list[Any]:
         # Outermost on the layer (it may itself be a chosen module): first in, last out.
         hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=True, prepend=True))
         hooks.append(layer.register_forward_hook(lambda *_: off._pop(), always_call=True))
-        hooks += _quiet_hooks(off, layer, i, [t for n in wanted for t in lm.targets.get(n, [])])
+        hooks += _quiet_hooks(off, layer, i, chosen)
     return hooks
 
 

@@ -11,13 +11,12 @@ Writes bench/results/numa-<machine>.json: ``rlmem bench numa``.
 
 from __future__ import annotations
 
-import mmap
 import os
 from typing import Any
 
 import torch
 
-from ..memory import _cuda, _numa
+from ..memory import _numa
 from ..memory._pinned import HostBuffer
 from ._common import format_table, median
 from ._harness import Run
@@ -40,22 +39,6 @@ def _rates(host: torch.Tensor, dev: torch.Tensor, reps: int) -> dict[str, float]
         out[f"{name}_gbps"] = host.numel() / min(times) / 1e9
         out[f"{name}_median_gbps"] = host.numel() / median(times) / 1e9
     return out
-
-
-def _placed(nbytes: int, node: int | None, index: int) -> tuple[mmap.mmap, torch.Tensor, bool]:
-    """A page-locked buffer made as ``HostBuffer`` makes one, its pages preferred on ``node`` (None: no
-    policy, first touch decides)."""
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    t = torch.frombuffer(m, dtype=torch.uint8)
-    placed = node is not None and _numa.place(t.data_ptr(), nbytes, node)
-    t.zero_()
-    _cuda.host_register(t.data_ptr(), nbytes, index)
-    return m, t, placed
 
 
 def _row(label: str, host: torch.Tensor, dev: torch.Tensor, reps: int, **extra: Any) -> dict[str, Any]:
@@ -81,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     nodes = _numa.node_cpus()
     gpu = _numa.gpu_node(idx)
     bus = _numa.gpu_bus_id(idx)
-    raw = (
-        None if bus is None else _numa._read_node(_numa.SYSFS / "bus" / "pci" / "devices" / bus / "numa_node")
-    )
+    raw = None if bus is None else _numa.pci_node(bus)
     topology = {
         "nodes": len(nodes) or 1,
         "cpus_per_node": {str(n): len(c) for n, c in nodes.items()},
@@ -95,24 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.empty(nbytes, dtype=torch.uint8, device=run_.device)
     _rates(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), dev, 2)  # warm the copy engines
     rows = []
-    buf = HostBuffer(nbytes, device_index=idx)
-    try:
-        assert buf.tensor is not None
-        rows.append(
-            _row("rlmem (HostBuffer)", buf.tensor, dev, args.reps, thread="as is", placed=buf.numa_node)
-        )
-    finally:
-        buf.free()
-    choices: list[int | None] = [None, *(sorted(nodes) if len(nodes) > 1 else [])]
-    for node in choices:
-        m, t, placed = _placed(nbytes, node, idx)
+    # As rlmem makes them, then with the pages' policy given: none (first touch), each node in turn.
+    choices: list[tuple[str, int | str | None]] = [("rlmem (HostBuffer)", "gpu"), ("first touch", None)]
+    choices += [(f"node{n}", n) for n in sorted(nodes)] if len(nodes) > 1 else []
+    for label, node in choices:
+        buf = HostBuffer(nbytes, device_index=idx, node=node)
         try:
-            label = "first touch" if node is None else f"node{node}"
-            rows.append(_row(label, t, dev, args.reps, thread="as is", placed=node if placed else None))
+            assert buf.tensor is not None
+            rows.append(_row(label, buf.tensor, dev, args.reps, thread="as is", placed=buf.numa_node))
         finally:
-            _cuda.host_unregister(t.data_ptr(), idx)
-            del t
-            m.close()
+            buf.free()
     if len(nodes) > 1:  # the issuing thread on each node's cores, pages where rlmem puts them
         allowed = os.sched_getaffinity(0)
         buf = HostBuffer(nbytes, device_index=idx)

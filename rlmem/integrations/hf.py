@@ -156,16 +156,18 @@ class HFSampler:
         # The module the rollout runs: the model itself, or (a sharded model with a rollout copy) a twin of
         # it without FSDP's hooks, whose parameters are the copy's full tensors (see ``_twin``).
         self._runner: nn.Module = model
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._state: dict[str, torch.Tensor] = {}  # what functional_call runs it over: the copy (+ buffers)
         if rollout_dtype is not None:
             named = dict(model.named_parameters())  # tied parameters once: functional_call ties them back
+            buffers: dict[str, torch.Tensor] = {}
             if _sharded(model):
                 self._runner = _twin(model)
-                self._buffers = dict(model.named_buffers())
-                _check_covers(self._runner, {**named, **self._buffers})
+                buffers = dict(model.named_buffers())
+                _check_covers(self._runner, {**named, **buffers})
             size = sum(_round_up(p.numel() * rollout_dtype.itemsize, 256) for p in named.values())
             self.weights_region = Region(size, device, name=f"{name}/weights")
             self.weights = {n: self.weights_region.empty(p.shape, rollout_dtype) for n, p in named.items()}
+            self._state = {**self.weights, **buffers}
             self.sync_weights()
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         # One forward step of a single sequence initialises every layer (shapes, dtype, device: through the
@@ -290,8 +292,7 @@ class HFSampler:
                 if self.weights is None:
                     out = self.model(**kwargs)
                 else:  # the same modules (or the sharded model's twin) over the rollout copy
-                    state = {**self.weights, **self._buffers} if self._buffers else self.weights
-                    out = torch.func.functional_call(self._runner, state, (), kwargs, strict=False)
+                    out = torch.func.functional_call(self._runner, self._state, (), kwargs, strict=False)
         finally:
             if hook is not None:
                 hook.remove()

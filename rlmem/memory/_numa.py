@@ -15,34 +15,34 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["gpu_bus_id", "gpu_node", "node_count", "node_cpus", "pages_by_node", "place"]
+__all__ = ["gpu_bus_id", "gpu_node", "node_count", "node_cpus", "pages_by_node", "pci_node", "place"]
 
 SYSFS = Path("/sys")
 _MPOL_PREFERRED = 1
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235}
 
 
-def node_count(root: Path = SYSFS) -> int:
-    """NUMA nodes the kernel reports (1 when it reports none)."""
+def _node_ids(root: Path) -> list[int]:
+    """The NUMA nodes the kernel reports (``nodeN`` directories), sorted; none if it reports none."""
     d = root / "devices" / "system" / "node"
     try:
-        n = sum(1 for p in d.iterdir() if p.name.startswith("node") and p.name[4:].isdigit())
+        return sorted(
+            int(p.name[4:]) for p in d.iterdir() if p.name.startswith("node") and p.name[4:].isdigit()
+        )
     except OSError:
-        return 1
-    return max(n, 1)
+        return []
+
+
+def node_count(root: Path = SYSFS) -> int:
+    """NUMA nodes the kernel reports (1 when it reports none)."""
+    return max(len(_node_ids(root)), 1)
 
 
 def node_cpus(root: Path = SYSFS) -> dict[int, list[int]]:
     """The CPUs of each NUMA node, from ``nodeN/cpulist`` (empty when the kernel reports no nodes)."""
     out: dict[int, list[int]] = {}
     d = root / "devices" / "system" / "node"
-    try:
-        nodes = sorted(
-            int(p.name[4:]) for p in d.iterdir() if p.name.startswith("node") and p.name[4:].isdigit()
-        )
-    except OSError:
-        return out
-    for n in nodes:
+    for n in _node_ids(root):
         try:
             text = (d / f"node{n}" / "cpulist").read_text().strip()
         except OSError:
@@ -71,8 +71,11 @@ def gpu_node(index: int, root: Path = SYSFS) -> int | None:
     if node_count(root) <= 1:
         return None
     bus_id = gpu_bus_id(index)
-    if bus_id is None:
-        return None
+    return None if bus_id is None else pci_node(bus_id, root)
+
+
+def pci_node(bus_id: str, root: Path = SYSFS) -> int | None:
+    """The NUMA node sysfs gives the PCI device ``bus_id`` (None: -1, or no such file)."""
     return _read_node(root / "bus" / "pci" / "devices" / bus_id / "numa_node")
 
 

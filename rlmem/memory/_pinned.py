@@ -103,11 +103,16 @@ class HostBuffer:
     context as portable memory mapped into the devices' address space, so every CUDA context can use it for
     DMA and kernels can read it in place).
 
+    ``node``: where a page-locked buffer's pages are preferred: ``"gpu"`` (the device's NUMA node on a host
+    with several, else nothing is done), a node number, or None (no policy: first touch decides).
+
     Raises:
         HostOutOfMemoryError: the host cannot provide ``nbytes``; nothing is held.
     """
 
-    def __init__(self, nbytes: int, *, device_index: int | None = None) -> None:
+    def __init__(
+        self, nbytes: int, *, device_index: int | None = None, node: int | str | None = "gpu"
+    ) -> None:
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         _check_available(nbytes)
@@ -138,7 +143,9 @@ class HostBuffer:
             from . import _cuda, _numa
 
             # On a multi-node host, the pages go to the GPU's node (set before they are first touched).
-            node = _numa.gpu_node(device_index)
+            if node == "gpu":
+                node = _numa.gpu_node(device_index)
+            assert node is None or isinstance(node, int)
             if _numa.place(self.ptr, nbytes, node):
                 self.numa_node = node
             # Populate with all intra-op threads first; registering unpopulated pages faults them in one
