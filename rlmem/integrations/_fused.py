@@ -5,11 +5,8 @@ device's bandwidth, but Hugging Face's RMSNorm (8 kernels), rotary embedding (10
 ~20 tiny kernels per layer that each take a few microseconds: on the 2.7B Qwen2 shape at batch 64 they were
 a third of a CUDA-graph step (H100, ``bench/NOTES.md``). ``fused(model)`` swaps them, for the duration of a
 forward pass, for the same arithmetic written as one function each and compiled by ``torch.compile``
-(Inductor emits one kernel per function). Every dimension but the last is marked unbacked before each
-call, so one compilation per function serves every batch and length bucket, decode and prefill: with
-dynamic shapes alone, a size of 1 (batch 1, a decode step) is a compilation of its own, and three of the
-six compilations a capture of every bucket made (cold, on the H100: ~1.5 s each). Off a CUDA device the
-functions run uncompiled, op for op what the model runs itself.
+(Inductor emits one kernel per function; shapes dynamic, so batch and length buckets share the compiled
+code). Off a CUDA device the functions run uncompiled, op for op what the model runs itself.
 
 Only modules whose classes are known to compute exactly this are touched: the RMSNorm and MLP of Llama,
 Mistral, Qwen2 and Qwen3 (a SiLU gate), and the ``apply_rotary_pos_emb`` of their attention modules'
@@ -62,22 +59,6 @@ def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 _COMPILED: dict[str, Callable[..., Any]] = {}  # once per process: every sampler shares the compiled code
 
 
-def _generic(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` called with every dimension of its tensor arguments but the last marked unbacked: the
-    compiled code then makes no case of a dimension being 1 (the last is the hidden or head size, fixed
-    per model)."""
-    mark = torch._dynamo.decorators.mark_unbacked
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                for dim in range(a.dim() - 1):
-                    mark(a, dim)
-        return fn(*args, **kwargs)
-
-    return call
-
-
 def kernels(device: torch.device) -> tuple[Callable[..., Any], ...]:
     """``rms_norm``, ``rotary`` and ``silu_gate``: compiled for a CUDA device, as they are otherwise."""
     fns = (rms_norm, rotary, silu_gate)
@@ -87,7 +68,7 @@ def kernels(device: torch.device) -> tuple[Callable[..., Any], ...]:
         if fn.__name__ not in _COMPILED:
             # Without fullgraph: past the recompilation limit a call runs the function as written (unfused,
             # the same arithmetic) instead of raising in the middle of a rollout.
-            _COMPILED[fn.__name__] = _generic(torch.compile(fn, dynamic=True))
+            _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
     return tuple(_COMPILED[fn.__name__] for fn in fns)
 
 
@@ -104,9 +85,9 @@ def fused(model: nn.Module, fns: tuple[Callable[..., Any], ...]) -> Iterator[int
     norm, rot, gate = fns
     swapped: list[nn.Module] = []
     files: dict[Any, Any] = {}
-    # Each dtype and each model's epsilon is a separate compilation of the same three functions; dynamo's
-    # default of 8 per function is too few for a process that samples from several models or dtypes (past
-    # it, calls would run unfused).
+    # Each dtype, a dimension of size 1 (batch 1, a decode step) and each model's epsilon is a separate
+    # compilation of the same three functions; dynamo's default of 8 per function is too few for a process
+    # that samples from several models or dtypes (past it, calls would run unfused).
     cfg = torch._dynamo.config
     limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     compiled = fns[0] is not rms_norm
