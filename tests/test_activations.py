@@ -499,17 +499,20 @@ def test_budget_auto_shrinks_a_plan_measured_over_its_overhead(monkeypatch):
 
 
 def _one_per_layer_plan() -> tuple[tuple, _actplan.OffloadPlan]:
-    """20 candidates, one per layer, all chosen by an auto plan at a 5% limit."""
-    c = tuple(_actplan.Candidate("core_attn", i, 100, produced_s=float(i)) for i in range(20))
+    """22 layers with one candidate each, chosen by an auto plan at a 5% limit but for the last two (the
+    forward pass never frees them): 20 chosen."""
+    c = tuple(_actplan.Candidate("core_attn", i, 100, produced_s=float(i)) for i in range(22))
     plan = _actplan.choose(
         list(c),
         budget="auto",
         d2h_bytes_per_s=1e9,
         forward_s=100.0,
         step_s=200.0,
-        activation_bytes=2000,
+        activation_bytes=2200,
         max_overhead=0.05,
+        tail=2,
     )
+    assert plan.chosen == c[:20] and "2 candidates of the last 2 layers" in str(plan)
     return c, plan
 
 
@@ -621,8 +624,10 @@ def test_budget_bytes_offloads_until_it_fits():
     run(model, off)
     run(model, off)
     plan = off.plan
-    assert plan.offload_bytes == sum(c.nbytes for c in plan.candidates)
-    assert any("budget" in r for r in plan.reasons)
+    # Every candidate but the last two layers' (still on the device when backward starts, so offloading
+    # them would lower nothing).
+    assert plan.offload_bytes == sum(c.nbytes for c in plan.candidates if c.layer < 1) > 0
+    assert any("budget" in r for r in plan.reasons) and any("last 2 layers" in r for r in plan.reasons)
 
 
 def test_plan_counts_a_fixed_cost_per_copy():
@@ -789,7 +794,12 @@ def test_forced_stream_races_give_equal_gradients(monkeypatch):
 
 @pytest.mark.cuda
 def test_device_memory_is_freed_during_forward():
-    model = make("qwen2", "cuda")
+    from rlmem.activations.offloader import RELEASE_LAG
+
+    layers = 6
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**{**KW, "num_hidden_layers": layers}, vocab_size=97)
+    model = transformers.Qwen2ForCausalLM(cfg).cuda().train()
     ids = torch.randint(0, 97, (8, 512), device="cuda")
 
     def fwd_mem(ctx):
@@ -809,7 +819,64 @@ def test_device_memory_is_freed_during_forward():
     off = rlmem.offload_activations(model, DENSE, min_bytes=0)
     fwd_mem(off)
     held = fwd_mem(off)
-    assert held <= plain - 0.8 * off.stats().offloaded_bytes
+    # All but the last layers' (kept for backward, which needs them first).
+    assert held <= plain - 0.8 * off.stats().offloaded_bytes * (layers - RELEASE_LAG) / layers
+
+
+def _asynchronous(completed: bool) -> type:
+    """The host backend's copies, reporting each one in flight or completed as a GPU's would."""
+    from rlmem.activations._transfer import HostCopies
+
+    class Asynchronous(HostCopies):
+        asynchronous = True
+
+        @staticmethod
+        def done(event):
+            return completed
+
+    return Asynchronous
+
+
+@pytest.mark.parametrize("completed", [False, True], ids=["copies-in-flight", "copies-completed"])
+def test_in_place_change_of_a_tensor_kept_on_the_device(completed):
+    """The last layers' tensors stay on the device until backward: changed in place after their copy was
+    seen complete, the copy serves the saved value; changed while in flight, it is an error."""
+
+    def offloader(net):
+        off = rlmem.offload_activations(net, ["core_attn"], min_bytes=0, module_map=MAP)
+        off._copies = _asynchronous(completed)(off.device)
+        return off
+
+    if not completed:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _modified_after_forward("cpu", offloader)
+        return
+    ref = _net_grads("cpu")
+    got = _modified_after_forward("cpu", offloader)
+    for a, b in zip(ref, got[: len(ref)], strict=False):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("completed", [False, True], ids=["copies-in-flight", "copies-completed"])
+def test_the_last_layers_are_used_where_they_are_not_reloaded(completed):
+    """Asynchronous copies (the host backend's, reporting each copy in flight or completed): the forward pass
+    lets go of a layer's device tensors two layers later, or once seen copied, but never of the last two
+    layers', which backward needs first; it uses them where they are and reloads the others."""
+    from rlmem.activations.offloader import RELEASE_LAG
+
+    layers = 6
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**{**KW, "num_hidden_layers": layers}, vocab_size=97)
+    ref = run(transformers.Qwen2ForCausalLM(cfg))
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    off = rlmem.offload_activations(model, ["core_attn"], min_bytes=0)
+    off._copies = _asynchronous(completed)(off.device)
+    assert_same(ref, run(model, off))
+    st = off.stats()
+    per_layer = st.offloaded_bytes // layers
+    assert st.reloaded_bytes == (layers - RELEASE_LAG) * per_layer
+    assert st.served_resident > 0 and st.reloaded_prefetched > 0 and st.reloaded_on_demand == 0
 
 
 @pytest.mark.cuda
@@ -846,6 +913,10 @@ def test_memory_is_freed_in_stream_order_while_the_host_runs_ahead():
     assert st.copying_at_backward_bytes <= RELEASE_LAG * per_layer
     assert st.held_elsewhere_bytes == 0
     assert held <= plain - (layers - RELEASE_LAG) * per_layer
+    # The last layers' tensors were never let go in the forward pass: backward uses them where they are
+    # (it needs them first; a reload would hold it up), and reloads the others one layer ahead.
+    assert st.reloaded_bytes == pytest.approx(st.offloaded_bytes - RELEASE_LAG * per_layer)
+    assert st.served_resident > 0 and st.reloaded_on_demand == 0
 
 
 @pytest.mark.cuda

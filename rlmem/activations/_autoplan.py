@@ -178,6 +178,7 @@ class BudgetControl:
             [replace(c, produced_s=c.produced_s * r) for c in p["candidates"]],
             layer_starts={i: t * r for i, t in p["layer_starts"].items()} or None,
             lag=self.lag,
+            tail=self.lag,
             budget=self.budget if self.budget == "auto" else int(self.budget),
             d2h_bytes_per_s=p["rate"],
             forward_s=p["forward_s"] * r,

@@ -193,6 +193,7 @@ def choose(
     max_overhead: float,
     layer_starts: dict[int, float] | None = None,
     lag: int = 2,
+    tail: int = 0,
     h2d_bytes_per_s: float | None = None,
     per_copy_s: float = 0.0,
 ) -> OffloadPlan:
@@ -205,7 +206,9 @@ def choose(
     stay within the allowance, together with the backward pass's waits for the reloads
     (:func:`_backward_stall`; ``h2d_bytes_per_s`` defaults to the D2H rate). Each tensor's copy costs
     ``per_copy_s`` besides its bytes (issuing it and its hooks), so many small tensors cost more than their
-    bytes say.
+    bytes say. The last ``tail`` layers' candidates are left out: the offloader frees a layer's copies
+    ``lag`` layers later, so theirs would still be on the device when backward starts (and be used from
+    there): offloading them lowers nothing.
     """
     assert d2h_bytes_per_s > 0 and forward_s >= 0
     allowance = max_overhead * step_s
@@ -214,7 +217,11 @@ def choose(
         layer_starts = {}
         for c in candidates:
             layer_starts[c.layer] = min(layer_starts.get(c.layer, c.produced_s), c.produced_s)
-    order = sorted(candidates, key=lambda c: (c.layer, c.produced_s, -c.nbytes))
+    last = max(layer_starts, default=-1)
+    order = sorted(
+        (c for c in candidates if c.layer <= last - tail), key=lambda c: (c.layer, c.produced_s, -c.nbytes)
+    )
+    left = len(candidates) - len(order)
     # The fixed cost per copy, as the bytes the link would move in that time.
     timed = {c: replace(c, nbytes=c.nbytes + round(c.count * per_copy_s * d2h_bytes_per_s)) for c in order}
     h2d = h2d_bytes_per_s or d2h_bytes_per_s
@@ -252,8 +259,13 @@ def choose(
             f"{stalled} of {len(order)} candidates left on the device: the compute would wait more than the "
             f"allowed overhead for copies {lag} layers behind, or the backward pass for their reloads"
         )
+    if left:
+        reasons.append(
+            f"{left} candidates of the last {tail} layers left on the device: the forward pass ends before "
+            "their memory would be freed, and backward needs them first"
+        )
     if not late and not stalled:
-        reasons.append("every candidate's copy hides under the forward pass")
+        reasons.append(f"every {'other ' if left else ''}candidate's copy hides under the forward pass")
     if budget != "auto":
         assert isinstance(budget, int)
         need = activation_bytes - budget

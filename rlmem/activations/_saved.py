@@ -25,6 +25,7 @@ class Entry:
     """One offloaded storage: its host copy, and while it is in flight or reloaded its device bytes."""
 
     __slots__ = (
+        "clean",
         "d2h_done",
         "dev",
         "group",
@@ -50,6 +51,7 @@ class Entry:
         self.ready: Any = None
         self.refs = 0
         self.modified = False
+        self.clean = False  # kept on the device, its copy seen complete while it was unchanged
 
 
 class Packed:
