@@ -594,6 +594,26 @@ def test_prefix_search_spreads_over_the_layers():
     assert sorted(order, key=c.index) == c
 
 
+def test_budget_auto_measures_a_cold_step_again(monkeypatch):
+    """On a GPU (copies asynchronous), a measured step far slower than the reference steps after it was a
+    cold start: its times per layer are not the step's, so the step is measured again (at most twice)."""
+    from rlmem.activations import _autoplan
+
+    times = iter([5.0, 1.0, 1.0, 1.0, 1.2, 1.0, 1.0, 1.0])  # measured, 3 references, measured, 3 references
+    monkeypatch.setattr(_autoplan, "_step_s", lambda off, end=None: next(times))
+    model = make("qwen2")
+    ref = run(make("qwen2"))
+    off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.5)
+    off._copies = _asynchronous(True)(off.device)
+    modes = []
+    for _ in range(8):
+        assert off.plan is None
+        assert_same(ref, run(model, off))
+        modes.append(off._control.mode)
+    assert modes == ["profile", "baseline", "baseline", "baseline"] * 2
+    assert off.plan is not None and "measured again 1x" in str(off.plan)
+
+
 def test_budget_auto_plans_each_input_shape_apart():
     model = make("qwen2")
     ref_short, ref_long = run(make("qwen2")), run(make("qwen2"), length=100)
