@@ -700,12 +700,14 @@ def offload_activations(
             since its input is that output). With ``budget``: the candidates (default: all the model has).
         min_bytes: saved tensors whose storage is smaller stay on the device.
         budget: ``"auto"`` measures the first step (what each name and layer saves, and when; nothing
-            offloaded), then three steps with the offloader out of them (the reference), chooses what the
-            link can copy under the forward pass plus ``max_overhead`` of the step (a fixed cost per copy
-            included), and measures the steps that run with it against the reference, growing or
-            shrinking the plan evenly over the layers until it adds no more than ``max_overhead`` (each
-            size by the median of three steps; ``handle.plan.trials``, ``handle.settled``). A plan that
-            settles empty keeps the offloader out of the step. Each input-shape bucket (a power of two of
+            offloaded; on a GPU measured again if it ran over 1.5x the steps after it, a cold start), then
+            three steps with the offloader out of them (the reference), chooses what the link can copy
+            under the forward pass plus ``max_overhead`` of the step (a fixed cost per copy included; the
+            last two layers left out: backward uses them first, from the device), and measures the
+            steps that run with it against the reference, growing or shrinking the plan evenly over the
+            layers until it adds no more than ``max_overhead`` (each size by the median of three steps;
+            ``handle.plan.trials``, ``handle.settled``). A plan that settles empty keeps the offloader out
+            of the step. Each input-shape bucket (a power of two of
             the first layer's input size) is planned on its own. An integer is a byte budget for the
             activations left on the device (offloading more, hidden or not, until they fit). The choice
             is in ``handle.plan`` and logged.
