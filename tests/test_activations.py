@@ -25,11 +25,12 @@ KW = dict(
 DENSE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
 
 
-def make(kind: str, device: str = "cpu") -> nn.Module:
+def make(kind: str, device: str = "cpu", layers: int = KW["num_hidden_layers"]) -> nn.Module:
     torch.manual_seed(0)
     if kind == "qwen2":
+        kw = {**KW, "num_hidden_layers": layers}
         m = transformers.Qwen2ForCausalLM(
-            transformers.Qwen2Config(**KW, vocab_size=97, attn_implementation="sdpa")
+            transformers.Qwen2Config(**kw, vocab_size=97, attn_implementation="sdpa")
         )
     elif kind == "mixtral":
         cfg = transformers.MixtralConfig(
@@ -817,9 +818,7 @@ def test_device_memory_is_freed_during_forward():
     from rlmem.activations.offloader import RELEASE_LAG
 
     layers = 6
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(**{**KW, "num_hidden_layers": layers}, vocab_size=97)
-    model = transformers.Qwen2ForCausalLM(cfg).cuda().train()
+    model = make("qwen2", "cuda", layers)
     ids = torch.randint(0, 97, (8, 512), device="cuda")
 
     def fwd_mem(ctx):
@@ -885,11 +884,8 @@ def test_the_last_layers_are_used_where_they_are_not_reloaded(completed):
     from rlmem.activations.offloader import RELEASE_LAG
 
     layers = 6
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(**{**KW, "num_hidden_layers": layers}, vocab_size=97)
-    ref = run(transformers.Qwen2ForCausalLM(cfg))
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg)
+    ref = run(make("qwen2", layers=layers))
+    model = make("qwen2", layers=layers)
     off = rlmem.offload_activations(model, ["core_attn"], min_bytes=0)
     off._copies = _asynchronous(completed)(off.device)
     assert_same(ref, run(model, off))
@@ -906,9 +902,7 @@ def test_memory_is_freed_in_stream_order_while_the_host_runs_ahead():
     from rlmem.activations.offloader import RELEASE_LAG
 
     layers = 6
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(**{**KW, "num_hidden_layers": layers}, vocab_size=97)
-    model = transformers.Qwen2ForCausalLM(cfg).cuda().train()
+    model = make("qwen2", "cuda", layers)
     ids = torch.randint(0, 97, (8, 512), device="cuda")
 
     def forward_held(ctx):

@@ -707,10 +707,9 @@ def offload_activations(
             steps that run with it against the reference, growing or shrinking the plan evenly over the
             layers until it adds no more than ``max_overhead`` (each size by the median of three steps;
             ``handle.plan.trials``, ``handle.settled``). A plan that settles empty keeps the offloader out
-            of the step. Each input-shape bucket (a power of two of
-            the first layer's input size) is planned on its own. An integer is a byte budget for the
-            activations left on the device (offloading more, hidden or not, until they fit). The choice
-            is in ``handle.plan`` and logged.
+            of the step. Each input-shape bucket (a power of two of the first layer's input size) is
+            planned on its own. An integer is a byte budget for the activations left on the device
+            (offloading more, hidden or not, until they fit). The choice is in ``handle.plan`` and logged.
         max_overhead: the share of the step the budget mode may add waiting for copies.
         prefetch: reload the previous layer's tensors while the current one's backward runs.
         module_map: patterns for a model whose layout rlmem does not recognise.
