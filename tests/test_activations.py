@@ -615,6 +615,48 @@ def test_budget_auto_measures_a_cold_step_again(monkeypatch):
     assert off.plan is not None and "measured again 1x" in str(off.plan)
 
 
+def test_forward_scale_takes_the_forward_pass_from_the_reference_steps():
+    from rlmem.activations._autoplan import forward_scale
+
+    # The measured step's forward pass ran 0.6 s of its 1.0 s (its hooks stretched it), the reference
+    # steps' 0.3 s of 0.7 s: the forward pass scales by 0.3 / 0.6 (not by the step's 0.7), the step is 0.7.
+    prof = {"step_s": 1.0, "layers_end_s": 0.6}
+    assert forward_scale(prof, 0.7, [0.31, 0.3, 0.2]) == (pytest.approx(0.5), 0.7)
+    # No mark of the forward pass's end (in the measured step or the references): the whole step scales.
+    assert forward_scale({"step_s": 1.0, "layers_end_s": None}, 0.7, [0.3]) == (pytest.approx(0.7), 0.7)
+    assert forward_scale(prof, 0.7, []) == (pytest.approx(0.7), 0.7)
+    # A byte budget has no reference: the measured step stands as it is.
+    assert forward_scale(prof, 0.0, []) == (1.0, 1.0)
+
+
+def test_budget_auto_plans_with_the_reference_steps_forward_pass(monkeypatch):
+    """The reference steps mark the end of the last decoder layer's forward pass (the offloader's hooks
+    out of the step), and the plan's forward pass is the measured step's, scaled to theirs."""
+    from rlmem.activations import _autoplan
+
+    model = make("qwen2")
+    ref = run(make("qwen2"))
+    off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.5)
+    seen = {}
+    plan_fn = _autoplan.BudgetControl._plan
+
+    def spy(self, off, key, baseline_s):
+        s = self.shapes[key]
+        seen.update(profile=dict(s.profile), forward=list(s.reference_forward), baseline=baseline_s)
+        return plan_fn(self, off, key, baseline_s)
+
+    monkeypatch.setattr(_autoplan.BudgetControl, "_plan", spy)
+    for _ in range(4):
+        assert_same(ref, run(model, off))
+    plan, prof = off.plan, seen["profile"]
+    assert plan is not None and len(seen["forward"]) == 3
+    assert 0 < prof["layers_end_s"] <= prof["forward_s"] < prof["step_s"]
+    assert all(0 < f < seen["baseline"] for f in seen["forward"])
+    scale = _autoplan._budget.median(seen["forward"]) / prof["layers_end_s"]
+    assert plan.forward_s == pytest.approx(prof["forward_s"] * scale)
+    assert plan.step_s == pytest.approx(seen["baseline"])
+
+
 def test_budget_auto_plans_each_input_shape_apart():
     model = make("qwen2")
     ref_short, ref_long = run(make("qwen2")), run(make("qwen2"), length=100)
@@ -810,6 +852,37 @@ def test_forced_stream_races_give_equal_gradients(monkeypatch):
     model = make("qwen2", "cuda")
     off = rlmem.offload_activations(model, DENSE, min_bytes=0)
     assert_same(ref, run(model, off, steps=2))
+    assert off.stats().reloaded_bytes > 0
+
+
+@pytest.mark.cuda
+def test_copies_follow_the_users_stream_and_leave_it_current():
+    """Forward and backward on a stream of the user's, each layer's kernels held back by a device-side
+    sleep queued first: a copy ordered after any other stream would read its tensor before it is written.
+    After every copy the user's stream is current again."""
+    ref = run(make("qwen2", "cuda"), steps=2)
+    model = make("qwen2", "cuda")
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, a: torch.cuda._sleep(2_000_000))
+    off = rlmem.offload_activations(model, DENSE, min_bytes=0)
+    user = torch.cuda.Stream()
+    current = []
+    copy_out = off._copies.copy_out
+
+    def spy(src, host):
+        done = copy_out(src, host)
+        current.append(torch.cuda.current_stream() == user)
+        return done
+
+    off._copies.copy_out = spy
+    user.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(user):
+        got = run(model, off, steps=2)
+        assert torch.cuda.current_stream() == user
+    torch.cuda.current_stream().wait_stream(user)
+    torch.cuda.synchronize()
+    assert_same(ref, got)
+    assert current and all(current)
     assert off.stats().reloaded_bytes > 0
 
 

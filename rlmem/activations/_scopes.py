@@ -83,7 +83,7 @@ def install(off: ActivationOffloader) -> list[Any]:
     for i, (_, layer) in enumerate(lm.layers):
         # Outermost on the layer (it may itself be a chosen module): first in, last out.
         hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=True, prepend=True))
-        hooks.append(layer.register_forward_hook(lambda *_: off._pop(), always_call=True))
+        hooks.append(layer.register_forward_hook(_layer_end(off, i), always_call=True))
         hooks += _quiet_hooks(off, layer, i, chosen)
     return hooks
 
@@ -148,6 +148,17 @@ def layer_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """A decoder layer's hidden states: its first tensor argument, or ``hidden_states=``."""
     t = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
     return t if isinstance(t, torch.Tensor) else None
+
+
+def _layer_end(off: ActivationOffloader, i: int) -> Any:
+    if i == len(off.layer_map.layers) - 1:
+
+        def last(*_: Any) -> None:
+            off._pop()
+            off._forward_done()
+
+        return last
+    return lambda *_: off._pop()
 
 
 def _layer_start(off: ActivationOffloader, i: int) -> Any:

@@ -11,7 +11,9 @@ Mechanics (why each is there):
   than the copies do on small layers.
 - Each copy runs on a dedicated device-to-host stream, ordered after the producing kernel by an event, into
   a host pool allocated once and reused every step (page-locked on a GPU). The device tensor is released as
-  soon as its copy's event has completed (polled, never synchronised).
+  soon as its copy's event is seen complete (polled where a layer or a chosen module begins, never
+  synchronised), or in stream order two layers later. Issuing a copy costs the host ~25 us (the current
+  stream cached by id, events recorded directly): on small models the host barely keeps ahead of the GPU.
 - A storage shared by several saved views is copied once; parameters, buffers, inputs, casts of parameters
   and tensor subclasses are never offloaded.
 - In backward, the first tensor needed from a layer starts the copy back of the layer before it, on a
@@ -212,6 +214,21 @@ class ActivationOffloader:
             self._times["layers"][i] = self._copies.mark()
         if self._inflight:
             self._release_through(i - RELEASE_LAG)
+            self._poll()
+
+    def _forward_done(self) -> None:
+        """The last decoder layer's forward ended: a measured step (the budget mode's, with the offloader
+        in it or not) marks when, so its plan can scale the forward pass apart from the backward."""
+        c = self._control
+        if (
+            self._active
+            and c is not None
+            and c.mode in _autoplan.TIMED_FORWARD
+            and "start" in self._times
+            and "layers_end" not in self._times
+            and torch._C._current_graph_task_id() == -1  # not a checkpoint's recomputation in backward
+        ):
+            self._times["layers_end"] = self._copies.mark()
 
     def _live(self) -> bool:
         # Not while backward runs: a checkpoint's recomputation needs its tensors at once.
@@ -236,11 +253,12 @@ class ActivationOffloader:
         if not live:
             return
         self._layer_started(i)
-        if self.prefetch and self._groups and min(self._groups) < i - 1:
+        if self.prefetch and i not in self._hook_layers and self._groups and min(self._groups) < i - 1:
             # The gradient of this layer's input is computed when backward leaves it: the next layer down
             # starts then, and the one below that is reloaded. Layers with nothing offloaded unpack nothing
             # through the hooks, so without this the first reload of a plan that offloads only early
-            # layers would start when its tensors are needed.
+            # layers would start when its tensors are needed. (A layer with a chosen scope starts that
+            # reload from its own first unpack: a tensor hook per layer would cost the host ~30 us.)
             x = _scopes.layer_input(args, kwargs)
             if x is not None and x.requires_grad:
                 x.register_hook(lambda g, below=i - 1: self._reload_ahead(below))
@@ -289,6 +307,10 @@ class ActivationOffloader:
         hooks even without a scope (a chosen layer: its tensors may share a storage with an offloaded one).
         """
         self._scope.append(scope)
+        if scope is not None and self._inflight:
+            # Completed copies are let go where a chosen module or a layer begins, not at every saved
+            # tensor: a poll is a Python call and an event query, and a layer saves dozens of tensors.
+            self._poll()
         push = False
         if scope is not None or hooks:
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -347,9 +369,6 @@ class ActivationOffloader:
 
     # ----------------------------------------------------------- pack/unpack
     def _pack(self, t: torch.Tensor) -> Any:
-        if self._inflight and not self._backward:
-            # Every saved tensor, not only chosen ones: later layers may offload nothing.
-            self._poll()
         scope = self._scope[-1] if self._scope else None
         if scope is None or (self._selected is not None and scope not in self._selected):
             if self._by_storage and type(t) is torch.Tensor and t.device == self.device:
@@ -701,8 +720,9 @@ def offload_activations(
         min_bytes: saved tensors whose storage is smaller stay on the device.
         budget: ``"auto"`` measures the first step (what each name and layer saves, and when; nothing
             offloaded; on a GPU measured again if it ran over 1.5x the steps after it, a cold start), then
-            three steps with the offloader out of them (the reference), chooses what the link can copy
-            under the forward pass plus ``max_overhead`` of the step (a fixed cost per copy included; the
+            three steps with the offloader out of them (the reference, whose forward pass the plan's
+            times are scaled to), chooses what the link can copy under the forward pass plus
+            ``max_overhead`` of the step (a fixed cost per copy included; the
             last two layers left out: backward uses them first, from the device), and measures the
             steps that run with it against the reference, growing or shrinking the plan evenly over the
             layers until it adds no more than ``max_overhead`` (each size by the median of three steps;

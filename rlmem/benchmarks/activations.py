@@ -12,7 +12,8 @@ weights, so the bf16 gradients are inside every figure. Contenders, each on the 
 * ``rlmem:auto``: the budget mode (its steps until the plan settles are not timed); ``rlmem:ckpt+off``:
   ``rlmem.checkpoint`` of every layer with offloading of all names (so the checkpoint inputs are offloaded).
 
-The link's D2H and H2D rates (pinned, 1 GiB) and the forward time of ``none`` are measured in the same run.
+The link's D2H and H2D rates (pinned, 1 GiB) and the forward time of ``none`` are measured in the same run;
+``host_forward_s`` (every contender) is the host's time to launch the forward pass, without a sync.
 Summary (at the model's largest grid point unless said): ``hidden_offload_efficiency`` = peak cut of the best
 rlmem configuration with <= 5% step overhead over ``D2H x (forward + 5% of the step)``;
 ``best_peak_cut_at_5pct``; ``ckpt_offload_peak_vs_ckpt`` and ``ckpt_offload_overhead_vs_ckpt`` (rlmem's
@@ -209,7 +210,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
     ids = torch.randint(0, vocab, (bs, seq), device=device, generator=g)
     labels = torch.randint(0, vocab, (bs, HEAD_TOKENS), device=device, generator=g)
     ctx, cleanup = _contender(name, model)
-    times, fwd = [], []
+    times, fwd, host_fwd = [], [], []
     peak = peak_fwd = 0
     handle = None
     try:
@@ -227,6 +228,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
             handle = c
             with c:
                 loss = _step(model, ids, labels)
+                th = time.perf_counter() - t0  # the host's time to launch the forward pass (no sync)
                 # The allocator's counters are kept on the host: no sync needed to read them.
                 fwd_peak = torch.cuda.max_memory_allocated(device) - base
                 if name == "none":
@@ -239,6 +241,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
                 times.append(dt)
                 peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
                 peak_fwd = max(peak_fwd, fwd_peak)
+                host_fwd.append(th)
                 if name == "none":
                     fwd.append(tf)
             i += 1
@@ -251,6 +254,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
         }
         if fwd:
             out["forward_s"] = median(fwd)
+        out["host_forward_s"] = median(host_fwd)
         stats = getattr(handle, "stats", None)
         if stats is not None:
             st = stats().as_dict()
@@ -314,6 +318,11 @@ def auto_figures(res: dict[str, Any], links: dict[str, dict[str, float]]) -> dic
             "hidden": auto.get("offloaded_bytes", 0) / cap,
             "offloaded_bytes": auto.get("offloaded_bytes", 0),
             "link_forward_bytes": cap,
+            # Whether the forward pass is launched ahead of the GPU: where the host's time nears the
+            # forward's, every microsecond of the offloader's hooks adds to the step.
+            "forward_s": none["forward_s"],
+            "host_forward_none_s": none.get("host_forward_s"),
+            "host_forward_auto_s": auto.get("host_forward_s"),
         }
     if not by:
         return {}
