@@ -11,12 +11,18 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["GiB", "MiB", "format_bytes", "parse_bytes", "parse_count"]
+__all__ = ["GiB", "MiB", "format_bytes", "parse_bytes", "parse_count", "round_up"]
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 TiB = 1 << 40
+
+
+def round_up(n: int, m: int) -> int:
+    """``n`` rounded up to a multiple of ``m``."""
+    return -(-n // m) * m
+
 
 _BYTE_UNITS = {
     "b": 1,

@@ -306,9 +306,9 @@ def test_the_overlapped_switch_waits_for_the_room_it_needs_not_for_the_whole_rel
     monkeypatch.setattr(TrainState, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(phases, "_free_bytes", lambda device: next(free))
     monkeypatch.setattr(pm.state, "synchronize", lambda: synced.append(1))
-    monkeypatch.setattr(pm.state, "_in_flight", lambda: [Release(100)])
+    monkeypatch.setattr(pm.state, "in_flight", lambda: [Release(100)])
     assert pm._wait_release(3 << 20) is True and synced == []  # the third poll found 3 MiB free
-    monkeypatch.setattr(pm.state, "_in_flight", lambda: [Release(2)])
+    monkeypatch.setattr(pm.state, "in_flight", lambda: [Release(2)])
     assert pm._wait_release(None) is False and synced == [1]  # no measure: the whole release
-    monkeypatch.setattr(pm.state, "_in_flight", lambda: [Release(2)])
+    monkeypatch.setattr(pm.state, "in_flight", lambda: [Release(2)])
     assert pm._wait_release(1 << 40) is False and synced == [1, 1]  # never room enough: the whole release

@@ -475,7 +475,7 @@ def test_nonblocking_pause_orders_a_stream_after_its_copies(device):
     want = t.cpu() * 3
     h = r.pause(blocking=False)
     h.wait_copied()  # no host wait: the current stream waits for the copies to the backup
-    got = r._backup_view(t, t.data_ptr() - r.data_ptr, t.nbytes, True) * 3  # queued on that stream
+    got = r.backup_view(t, mapped=True) * 3  # queued on that stream
     assert torch.equal(got.cpu(), want)
     h.wait()
     assert r.resident_bytes == 0

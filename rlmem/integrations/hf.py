@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from .._checks import check_choice
-from ..memory.region import Region, _round_up
+from .._units import round_up
+from ..memory.region import Region
 from ..plan.shapes import kv_bytes_per_token as _kv_bytes
 from ..train._dtensor import is_dtensor as _is_dtensor
 from ..train._engines import check_tags
@@ -115,7 +116,7 @@ class HFSampler:
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive int, got {sync_every!r}")
         if kv_block is None:
-            kv_block = _round_up(-(-max_len // 8), 64)
+            kv_block = round_up(-(-max_len // 8), 64)
         elif not isinstance(kv_block, int) or kv_block < 8 or kv_block % 8:
             raise ValueError(f"kv_block must be a positive multiple of 8 or None, got {kv_block!r}")
         param = next(model.parameters())
@@ -164,7 +165,7 @@ class HFSampler:
                 self._runner = _twin(model)
                 buffers = dict(model.named_buffers())
                 _check_covers(self._runner, {**named, **buffers})
-            size = sum(_round_up(p.numel() * rollout_dtype.itemsize, 256) for p in named.values())
+            size = sum(round_up(p.numel() * rollout_dtype.itemsize, 256) for p in named.values())
             self.weights_region = Region(size, device, name=f"{name}/weights")
             self.weights = {n: self.weights_region.empty(p.shape, rollout_dtype) for n, p in named.items()}
             self._state = {**self.weights, **buffers}
@@ -368,7 +369,7 @@ class HFSampler:
 
     def _length(self, n: int) -> int:
         """The cache-length bucket that holds ``n`` columns."""
-        return min(self.max_len, _round_up(n, self.kv_block))
+        return min(self.max_len, round_up(n, self.kv_block))
 
     def _decode(self, d: _Decode, length: int) -> torch.Tensor:
         """Logits of one decode step from ``d``'s buffers over the first ``length`` cache columns (a graph

@@ -84,7 +84,7 @@ def state_bytes(model: nn.Module | list[nn.Module], optimizer: Any = None) -> Me
     def once(ts: list[torch.Tensor], whole: bool) -> int:
         n = 0
         for t in ts:
-            key = _mc._key(t)
+            key = _mc.storage_key(t)
             if t.device.type != "cuda" or key in seen:
                 continue
             seen.add(key)

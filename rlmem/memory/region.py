@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .._checks import check_flag
-from .._units import GiB
+from .._units import GiB, round_up
 from ..errors import CudaError, OutOfMemoryError, RegionClosedError
 from ._host import HostBackend
 from ._pinned import HostBuffer
@@ -50,10 +50,6 @@ _DEFAULT_ALIGN = 256
 _MAPPED = 0  # physical memory mapped; contents live on the device
 _SAVED = 1  # released; contents kept in the host backup
 _EMPTY = 2  # released; contents discarded
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _resolve_device(device: Any) -> torch.device:
@@ -90,7 +86,7 @@ def _make_backend(dev: torch.device) -> Backend:
 
 
 def _default_chunk(capacity: int, granularity: int) -> int:
-    chunk = _round_up(-(-capacity // _TARGET_CHUNKS), granularity)
+    chunk = round_up(-(-capacity // _TARGET_CHUNKS), granularity)
     return max(_MIN_CHUNK, min(chunk, _MAX_CHUNK))
 
 
@@ -247,8 +243,8 @@ class Region:
         dev = _resolve_device(device)
         backend = _make_backend(dev)
         gran = backend.granularity
-        capacity = _round_up(nbytes, gran)
-        chunk = _round_up(chunk_bytes, gran) if chunk_bytes else _default_chunk(capacity, gran)
+        capacity = round_up(nbytes, gran)
+        chunk = round_up(chunk_bytes, gran) if chunk_bytes else _default_chunk(capacity, gran)
         chunk = min(chunk, capacity)
         self._device = dev
         self._backend: Backend = backend
@@ -267,7 +263,7 @@ class Region:
         self._used = 0
         self._paused = False
         self._backup: HostBuffer | None = None
-        self._views: dict[tuple, torch.Tensor] = {}  # host views of the backup, see _backup_view
+        self._views: dict[tuple, torch.Tensor] = {}  # host views of the backup, see _view_of_backup
         self._op: Handle | None = None  # a non-blocking pause/resume whose worker may still run
         self._resume_done: Any = None  # event after the last resume's copies (CUDA)
         self._pauses = 0
@@ -363,7 +359,7 @@ class Region:
         itemsize = torch.empty((), dtype=dtype).element_size()
         need = math.prod(dims) * itemsize
         with self._lock:
-            offset = _round_up(self._used, max(align, itemsize))
+            offset = round_up(self._used, max(align, itemsize))
             if offset + need > self._nbytes:
                 raise ValueError(
                     f"Region {self.name!r} is out of room: empty({list(dims)}, {dtype}) needs {need} "
@@ -376,7 +372,13 @@ class Region:
         return self._backend.tensor_at(offset, need).view(dtype).view(dims)
 
     # -- pause ---------------------------------------------------------------------------------------
-    def pause(self, *, keep: bool = True, blocking: bool = True) -> Handle:
+    def pause(
+        self,
+        *,
+        keep: bool = True,
+        blocking: bool = True,
+        on_queued: Callable[[Handle], None] | None = None,
+    ) -> Handle:
         """Release the Region's physical memory, first copying its contents to host memory if ``keep``.
 
         The copy is ordered after the work already queued on the caller's current stream (and after a
@@ -392,6 +394,9 @@ class Region:
             blocking: wait until the memory has been released. If False, release runs on a worker thread;
                 the returned handle's ``wait()`` joins it, and its ``wait_copied()`` orders a stream after
                 the copies alone.
+            on_queued: called with the handle on this thread once the copies are queued (its
+                ``wait_copied()`` usable) and before any memory is released: the moment to point whatever
+                refers to the Region's tensors at :meth:`backup_view` of them (``TrainState`` does).
 
         Returns:
             A :class:`Handle`.
@@ -402,11 +407,8 @@ class Region:
         """
         check_flag("keep", keep)
         check_flag("blocking", blocking)
-        return self._pause(keep, blocking)
-
-    def _pause(self, keep: bool, blocking: bool, then: Callable[[Handle], None] | None = None) -> Handle:
-        """``pause()``, calling ``then(handle)`` on this thread once the copies are queued (its
-        ``wait_copied()`` usable) and before any memory is released."""
+        if on_queued is not None and not callable(on_queued):
+            raise ValueError(f"on_queued must be callable or None, got {type(on_queued).__name__}")
         with self._lock:
             self._check_open()
             op = self._op
@@ -433,8 +435,8 @@ class Region:
             events = self._copy_out(saved, after)
             handle = Handle("pause", device=self._device)
             handle._copied = events[saved[-1]] if saved else None
-            if then is not None:
-                then(handle)
+            if on_queued is not None:
+                on_queued(handle)
             if blocking:
                 self._release_work(events, after, t0)
                 handle._copied = None
@@ -531,7 +533,7 @@ class Region:
         with self._lock:
             self._check_open()
             self._settle()
-            off, extent = self._byte_span(tensor)
+            off, extent = self.span(tensor)
             if not self._paused:
                 raise RuntimeError(
                     f"region {self.name!r} is resident: read the tensor itself "
@@ -547,10 +549,14 @@ class Region:
                     f"region {self.name!r}: bytes {off}..{off + extent} were not kept "
                     "(paused with keep=False, or a pause that failed part-way); there is nothing to read"
                 )
-            return self._backup_view(tensor, off, extent, mapped)
+            return self._view_of_backup(tensor, off, extent, mapped)
 
-    def _byte_span(self, tensor: Any) -> tuple[int, int]:
-        """(offset from the Region's start, bytes spanned) of a tensor over the Region."""
+    def span(self, tensor: Any) -> tuple[int, int]:
+        """(offset from the Region's start, bytes spanned) of ``tensor``, a tensor over the Region.
+
+        Raises:
+            ValueError: ``tensor`` is not a tensor over this Region.
+        """
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(
                 f"tensor must be a torch.Tensor over region {self.name!r}, got {type(tensor).__name__}"
@@ -569,7 +575,27 @@ class Region:
             )
         return off, extent
 
-    def _backup_view(self, tensor: torch.Tensor, off: int, extent: int, mapped: bool) -> torch.Tensor:
+    def backup_view(
+        self, tensor: torch.Tensor, *, mapped: bool = False, span: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """``tensor``'s bytes in the host backup, as :meth:`host_view` gives them, but without its checks: for
+        a pause's ``on_queued`` callback, when the copies are queued and the chunks not yet marked kept, and
+        for writing a backup the caller reserved (:meth:`reserve_backup`) before a ``keep=False`` pause.
+
+        Args:
+            tensor: a tensor over this Region.
+            mapped: as for :meth:`host_view`.
+            span: ``span(tensor)``, when the caller has it already.
+
+        Raises:
+            RuntimeError: the Region has no backup (reserve one, or pause with ``keep=True``, first).
+        """
+        off, extent = self.span(tensor) if span is None else span
+        if self.backup_bytes < off + extent:
+            raise RuntimeError(f"region {self.name!r} has no backup for bytes {off}..{off + extent}")
+        return self._view_of_backup(tensor, off, extent, mapped)
+
+    def _view_of_backup(self, tensor: torch.Tensor, off: int, extent: int, mapped: bool) -> torch.Tensor:
         """``tensor``'s geometry over the backup at ``off``, unchecked (the bytes are known to be there).
 
         Views are cached for the backup's life: the same tensors serve every pause (a trainer offloads the

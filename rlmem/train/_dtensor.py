@@ -1,20 +1,29 @@
-"""Adopting DTensor (FSDP2, tensor-parallel) state into Regions by re-pointing the tensors that hold it.
+"""DTensor (FSDP2, tensor-parallel) state in a TrainState, adopted by re-pointing the tensors that hold it.
 
 A DTensor parameter's data is its local shard, and under FSDP2 that shard is a view of the FSDPParam's
 padded ``_sharded_param_data``, which FSDP all-gathers from. Rebinding the parameter would leave FSDP
 reading the old memory, so instead every tensor object over the shard's storage is re-pointed
-(``Tensor.set_``) to a Region copy of that storage: the same objects, new memory, fixed addresses.
+(``Tensor.set_``) to a Region copy of that storage: the same objects, new memory, fixed addresses. DTensor
+optimizer states are re-pointed the same way, and the gradients FSDP's reduce-scatter makes are adopted
+when they are offloaded (they are made anew after ``zero_grad()``, not accumulated by autograd).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+from ._adopted import Group, storage_groups
+from ._source import Source, StateItem
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - builds without torch.distributed
     DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["DTensorSource", "fsdp_holders", "is_dtensor", "local"]
 
 
 def is_dtensor(t: object) -> bool:
@@ -57,45 +66,66 @@ def fsdp_holders(model: nn.Module) -> dict[int, list[torch.Tensor]]:
     return out
 
 
-def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+class DTensorSource(Source):
+    """DTensor parameters (their sharded storages, FSDP's own tensors over them included), DTensor optimizer
+    states, and the gradients FSDP makes, when offloaded."""
 
+    def __init__(self, kit: Any, root: nn.Module, params: list[nn.Parameter], *rest: Any) -> None:
+        super().__init__(kit, root, params, *rest)
+        self._root = root
+        self._sharded = [p for p in params if is_dtensor(p)]
+        self._grads: list[Group] = []
 
-def repoint(tensors: list[torch.Tensor], flat: torch.Tensor, src_byte_offset: int = 0) -> None:
-    """Point every tensor in ``tensors`` (all over one storage) at ``flat``, a uint8 copy of that storage
-    (which starts ``src_byte_offset`` bytes into the tensors' current storage), keeping each one's offset
-    within it, size and stride."""
-    base = flat.untyped_storage()
-    byte_offset = flat.storage_offset()
-    with torch.no_grad():
-        for t in tensors:
-            es = t.element_size()
-            assert byte_offset % es == 0 and src_byte_offset % es == 0
-            rel = t.storage_offset() - src_byte_offset // es
-            if isinstance(t, nn.Parameter):
-                # set_() on a leaf gives it a new gradient accumulator, and the hooks DDP (Megatron's too)
-                # put on the old one would stop firing; assigning .data keeps it.
-                t.data = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                    base, byte_offset // es + rel, t.size(), t.stride()
-                )
-            else:
-                t.set_(base, byte_offset // es + rel, t.size(), t.stride())
+    def accepts(self, p: nn.Parameter) -> bool:
+        return is_dtensor(p.data) and not local(p.data).is_meta
 
+    def adopt_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        sharded = [p for p in params if is_dtensor(p.data)]
+        if sharded:
+            holders = fsdp_holders(self._root)
+            self.kit.repoint(
+                "params", storage_groups([(local(p.data), holders.get(id(p), [])) for p in sharded])
+            )
+        return [p for p in params if not is_dtensor(p.data)]
 
-def copy_storage(src: torch.Tensor, flat: torch.Tensor) -> None:
-    """Copy the whole storage under ``src`` into the uint8 tensor ``flat``."""
-    whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src.untyped_storage())
-    flat.copy_(whole)
+    def adopt_grads(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        return [p for p in params if not is_dtensor(p.data)]  # FSDP's are adopted when offloaded
 
+    def takes_state(self, value: torch.Tensor) -> torch.Tensor | None:
+        return local(value) if is_dtensor(value) else None
 
-def storage_groups(tensors: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> list[list[torch.Tensor]]:
-    """Group (tensor, extra holders) pairs by the storage they live in, each group listing every tensor
-    object to re-point (shared storages are adopted once)."""
-    groups: dict[int, list[torch.Tensor]] = {}
-    for t, extra in tensors:
-        key = t.untyped_storage().data_ptr()
-        lst = groups.setdefault(key, [])
-        for x in [t, *extra]:
-            if all(x is not y for y in lst):
-                lst.append(x)
-    return list(groups.values())
+    def adopt_states(self, items: list[StateItem]) -> None:
+        groups = self.kit.repoint("optimizer", [[it.local] for it in items])
+        for it, g in zip(items, groups, strict=True):
+            self.kit.set_state(it.key, g, it.local.data_ptr())
+
+    def check(self, policies: dict[str, str]) -> None:
+        if policies["params"] == "discard" and self._sharded:
+            raise ValueError(
+                f"params='discard' is not available for TrainState {self.kit.name!r}: its parameters are "
+                "DTensors (FSDP2), whose sharded storage cannot be a placeholder; use params='offload' "
+                "(or 'keep')"
+            )
+
+    def before_offload(self, policies: dict[str, str], moving: list[str]) -> None:
+        if "grads" not in moving:
+            return
+        if policies["grads"] == "discard":
+            for p in self._sharded:
+                p.grad = None
+        else:
+            self._adopt_grads()
+
+    def _adopt_grads(self) -> None:
+        """Move FSDP-made gradients into a Region (before offloading them), giving back the gradient Regions
+        that no gradient lives in any more."""
+        grads = [local(p.grad) for p in self._sharded if p.grad is not None]
+        inside = {t.data_ptr() for g in self._grads for t in g.tensors}
+        self._grads += self.kit.repoint(
+            "grads", storage_groups([(g, []) for g in grads if g.data_ptr() not in inside])
+        )
+        live = {g.data_ptr() for g in grads}
+        for g in self._grads:
+            if not g.region.closed and not any(t.data_ptr() in live for t in g.tensors):
+                self.kit.drop("grads", g.region)
+        self._grads = [g for g in self._grads if not g.region.closed]

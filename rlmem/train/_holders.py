@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Entry", "Holder", "attach", "detach", "placeholder", "put_param"]
+__all__ = ["Holder", "ViewHolders", "attach", "detach", "placeholder", "points_at", "put_param"]
 
 
 class Holder:
@@ -37,7 +37,7 @@ class Holder:
         self.put = put
 
 
-class Entry:
+class ViewHolders:
     """A Region view (bytes ``start`` to ``end`` of its Region), its holders, and where they point while the
     Region is paused (``away``; None while they point at the view)."""
 
@@ -51,7 +51,7 @@ class Entry:
         self.away: torch.Tensor | None = None
 
 
-def _points_at(cur: object, t: torch.Tensor) -> bool:
+def points_at(cur: object, t: torch.Tensor) -> bool:
     return cur is t or (
         isinstance(cur, torch.Tensor)
         and cur.device == t.device
@@ -61,26 +61,26 @@ def _points_at(cur: object, t: torch.Tensor) -> bool:
     )
 
 
-def detach(entries: list[Entry], away: Callable[[Entry], torch.Tensor]) -> None:
+def detach(entries: list[ViewHolders], away: Callable[[ViewHolders], torch.Tensor]) -> None:
     """Point the holders of every entry still at its view at ``away(entry)``."""
     for e in entries:
         if e.away is not None:
             continue
         target = away(e)
         for h in e.holders:
-            if h.get is None or _points_at(h.get(), e.view):
+            if h.get is None or points_at(h.get(), e.view):
                 h.put(target)
         e.away = target
 
 
-def attach(entries: list[Entry]) -> None:
+def attach(entries: list[ViewHolders]) -> None:
     """Point every holder still referring to where it was sent back at its Region view."""
     for e in entries:
         target = e.away
         if target is None:
             continue
         for h in e.holders:
-            if h.get is None or _points_at(h.get(), target):
+            if h.get is None or points_at(h.get(), target):
                 h.put(e.view)
         e.away = None
 
@@ -170,7 +170,7 @@ def _poisoned(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def placeholder(why: str, e: Entry) -> torch.Tensor:
+def placeholder(why: str, e: ViewHolders) -> torch.Tensor:
     """A tensor of the view's device, dtype and shape that holds no memory and raises ``RuntimeError(why)``
     on any use of its values."""
     v = e.view

@@ -22,12 +22,27 @@ GPU machine this was built on, cannot, so the one mechanism here works on both.)
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Found", "find", "is_wrapper", "others", "tensors_over", "torch_optimizers", "unseen"]
+from ._adopted import CATEGORIES, Group
+from ._source import Source
+
+__all__ = [
+    "Found",
+    "MegatronSource",
+    "find",
+    "is_wrapper",
+    "others",
+    "storage_key",
+    "tensors_over",
+    "torch_optimizers",
+    "unseen",
+]
 
 
 def is_wrapper(optimizer: object) -> bool:
@@ -70,7 +85,7 @@ def _buffers(m: nn.Module) -> list[object]:
     return out
 
 
-def _key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
     """The storage itself (its address in memory), not where its data starts: two storages may start at one
     address (a Region's whole-range tensor and its first view)."""
     return t.untyped_storage()._cdata
@@ -103,26 +118,28 @@ def find(
     for b in (b for m in found.owners for b in _buffers(m)):
         pd = getattr(b, "param_data", None)
         gd = b.grad_data  # type: ignore[attr-defined]
-        if isinstance(pd, torch.Tensor) and pd.numel() and _key(pd) not in found.covered:
-            found.covered.add(_key(pd))
+        if isinstance(pd, torch.Tensor) and pd.numel() and storage_key(pd) not in found.covered:
+            found.covered.add(storage_key(pd))
             found.param_storages.append(pd)
-        if gd.numel() and _key(gd) not in found.covered:  # one storage for both (MXFP8) counts as params
-            found.covered.add(_key(gd))
+        if (
+            gd.numel() and storage_key(gd) not in found.covered
+        ):  # one storage for both (MXFP8) counts as params
+            found.covered.add(storage_key(gd))
             found.grad_storages.append(gd)
-    grad_keys = {_key(g) for g in found.grad_storages} | {_key(p) for p in found.param_storages}
+    grad_keys = {storage_key(g) for g in found.grad_storages} | {storage_key(p) for p in found.param_storages}
     for p in params:
         mg = getattr(p, "main_grad", None)
-        if isinstance(mg, torch.Tensor) and _key(mg) in grad_keys:
+        if isinstance(mg, torch.Tensor) and storage_key(mg) in grad_keys:
             found.grad_covered.add(id(p))
     if wrapper:
         owned = {id(p) for p in params}
-        seen = set(found.covered) | {_key(p) for p in params}
+        seen = set(found.covered) | {storage_key(p) for p in params}
         for opt in optimizers:
             for group in opt.param_groups:
                 for t in group["params"]:
-                    if id(t) in owned or _key(t) in seen:
+                    if id(t) in owned or storage_key(t) in seen:
                         continue
-                    seen.add(_key(t))
+                    seen.add(storage_key(t))
                     found.main_params.append(t)
     return found
 
@@ -131,8 +148,8 @@ def tensors_over(storages: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """For each tensor in ``storages``, every Python tensor object over the same storage (itself first).
 
     One pass over the garbage collector's objects: about 15 ms per 200,000 objects."""
-    want = {_key(t): [t] for t in storages}
-    ids = {k: {id(t)} for k, t in ((_key(t), t) for t in storages)}
+    want = {storage_key(t): [t] for t in storages}
+    ids = {k: {id(t)} for k, t in ((storage_key(t), t) for t in storages)}
     devices = {t.device for t in storages}
     kinds: dict[type, bool] = {}
     for o in gc.get_objects():
@@ -147,14 +164,14 @@ def tensors_over(storages: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         try:
             if o.device not in devices or o.is_meta:
                 continue
-            key = _key(o)
+            key = storage_key(o)
         except (RuntimeError, NotImplementedError):
             continue
         seen = ids.get(key)
         if seen is not None and id(o) not in seen:
             seen.add(id(o))
             want[key].append(o)
-    return [want[_key(t)] for t in storages]
+    return [want[storage_key(t)] for t in storages]
 
 
 def unseen(group: list[torch.Tensor], anchor: torch.Tensor) -> int:
@@ -176,3 +193,110 @@ def others(found: list[torch.Tensor], anchor: torch.Tensor) -> list[torch.Tensor
     """``found`` without ``anchor`` and the base it is a view of."""
     own = _own(anchor)
     return [t for t in found if all(t is not o for o in own)]
+
+
+class MegatronSource(Source):
+    """Megatron-Core's DDP buffers (parameters and gradients) and its optimizers' main parameters, each
+    storage adopted whole; the inner optimizers' states are plain ones (the next sources adopt them).
+
+    A discarded grad buffer is not copied: its views, which cannot be placeholders (bucket and shard views
+    of one storage), read a zeroed backup as a stand-in, as after ``zero_grad_buffer()``, until it comes
+    back, zeroed by Megatron's own ``zero_grad_buffer()``."""
+
+    def __init__(
+        self,
+        kit: Any,
+        root: nn.Module,
+        params: list[nn.Parameter],
+        optimizers: list[torch.optim.Optimizer],
+        optimizer: Any,
+    ) -> None:
+        super().__init__(kit, root, params, optimizers, optimizer)
+        self._found = find(root, params, optimizers, is_wrapper(optimizer))
+        self._params = params
+        self._main = {id(t) for t in self._found.main_params}
+        self._groups: list[tuple[str, Group]] = []
+        self._zero_on_return = False
+
+    @staticmethod
+    def unwrap(optimizer: Any) -> list[torch.optim.Optimizer] | None:
+        return torch_optimizers(optimizer) if is_wrapper(optimizer) else None
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return id(t) in self._main or storage_key(t) in self._found.covered
+
+    def adopt_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        rest = [p for p in params if storage_key(p) not in self._found.covered]  # before they move
+        self._whole("params", self._found.param_storages)
+        # The main parameters, the optimizer's weights of record, with the optimizer states.
+        self._whole("optimizer", self._found.main_params)
+        return rest
+
+    def adopt_grads(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        self._whole("grads", self._found.grad_storages, zeroed_on_discard=True)
+        return [p for p in params if id(p) not in self._found.grad_covered]
+
+    def _whole(self, category: str, tensors: list[torch.Tensor], *, zeroed_on_discard: bool = False) -> None:
+        """Adopt each tensor's whole storage, re-pointing every tensor object over it."""
+        if tensors:
+            groups = self.kit.repoint(category, tensors_over(tensors), zeroed_on_discard=zeroed_on_discard)
+            self._groups += [(category, g) for g in groups]
+
+    def check(self, policies: dict[str, str]) -> None:
+        name = self.kit.name
+        if policies["params"] == "discard" and self._found.param_storages:
+            raise ValueError(
+                f"params='discard' is not available for TrainState {name!r}: its parameters live in "
+                "Megatron-Core's contiguous parameter buffers, whose views cannot be placeholders; use "
+                "params='offload' (or 'keep')"
+            )
+        if policies["optimizer"] == "discard" and self._found.main_params:
+            raise ValueError(
+                f"optimizer='discard' is not available for TrainState {name!r}: its optimizer holds "
+                "Megatron-Core's fp32 main parameters, the weights of record, which cannot be forgotten; "
+                "use optimizer='offload' (or 'keep')"
+            )
+
+    def before_offload(self, policies: dict[str, str], moving: list[str]) -> None:
+        if policies["grads"] != "keep" and self._found.grad_storages:
+            # Megatron's optimizers set .grad of the main parameters (or, with FP32Optimizer, of the model's)
+            # to views of the grad buffer, remade at every step: drop them as optimizer.zero_grad() does,
+            # rather than chase them.
+            buffers = {storage_key(g.flat) for c, g in self._groups if c == "grads"}
+            for t in (*self._found.main_params, *self._params):
+                if t.grad is not None and storage_key(t.grad) in buffers:
+                    t.grad = None
+            if policies["grads"] == "discard" and "grads" in moving:
+                self._zero_on_return = True
+        self._refresh(moving, strict=True)
+
+    def on_return(self, category: str) -> None:
+        if category == "grads" and self._zero_on_return:
+            # Megatron's own, on the current stream once their memory is mapped (it also resets the buckets
+            # and per-parameter flags).
+            self._zero_on_return = False
+            for m in self._found.owners:
+                m.zero_grad_buffer()
+
+    def before_close(self) -> None:
+        self._refresh(CATEGORIES, strict=False)
+
+    def _refresh(self, categories: Iterable[str], *, strict: bool) -> None:
+        """Add to each storage's group the tensors made over it since it was adopted (Megatron makes its
+        shard views at the first gradient sync). ``strict``: raise, before anything is released, if tensors
+        Python cannot see still use one."""
+        cats = set(categories)
+        stale = [g for c, g in self._groups if c in cats and unseen(g.tensors, g.flat)]
+        if not stale:
+            return
+        for g, found in zip(stale, tensors_over([g.flat for g in stale]), strict=True):
+            g.tensors[:] = others(found, g.flat)
+        left = sum(unseen(g.tensors, g.flat) for g in stale)
+        if left and strict:
+            raise RuntimeError(
+                f"rlmem TrainState {self.kit.name!r}: {left} tensor(s) over Megatron's buffers or main "
+                "parameters are held outside Python (by an unfinished asynchronous collective, or a CUDA "
+                "graph), so offloading now would leave them pointing at released memory; finish the "
+                "gradient and parameter syncs (model.finish_grad_sync(), optimizer.step()) before "
+                "entering rollout. Nothing was released."
+            )

@@ -318,7 +318,7 @@ class PhaseManager:
         """Wait until the device has ``need`` bytes free or the offload in flight has released everything
         (None, or off a GPU: the latter). Returns True if it returned with the release still in flight."""
         assert self.state is not None
-        handles = self.state._in_flight()
+        handles = self.state.in_flight()
         device = self.state.device
         while handles and not all(h.done() for h in handles):
             if need is not None and device.type == "cuda" and _free_bytes(device) >= need:
