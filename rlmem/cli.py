@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         return main_plan(argv[1:])
     args, rest = p.parse_known_args(argv)
     if args.command == "report" and not rest:
-        from .recipes import grpo
+        from .recipes.report import report  # not the training loop
 
         try:
-            return grpo.report(args.run_dir, plot=not args.no_plot)
+            return report(args.run_dir, plot=not args.no_plot)
         except ValueError as e:
             print(f"rlmem report: error: {e}", file=sys.stderr)
             return 2

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from rlmem.recipes import _config
-from rlmem.recipes._report import _step_line
+from rlmem.recipes import yaml_config as _config
 from rlmem.recipes.config import GRPOConfig, keys_help
+from rlmem.recipes.report import step_line as _step_line
 
 
 def _py(code: str) -> str:

@@ -12,7 +12,7 @@ pytest.importorskip("yaml")
 
 from rlmem._units import parse_bytes
 from rlmem.cli import main as cli_main
-from rlmem.recipes import _config
+from rlmem.recipes import yaml_config as _config
 from rlmem.recipes.grpo import (
     GRPOConfig,
     group_advantages,
@@ -188,7 +188,7 @@ def test_every_example_config_loads():
 def test_a_saved_checkpoint_and_gradient_checkpointing(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlmem.recipes.grpo import TINY
+    from rlmem.recipes.config import TINY
 
     Qwen2ForCausalLM(Qwen2Config(**TINY, vocab_size=14)).save_pretrained(tmp_path / "ckpt")
     s = _short(tmp_path, "ckpt-run", model=str(tmp_path / "ckpt"), steps=2, gradient_checkpointing=True)
@@ -209,13 +209,15 @@ def test_dynamic_batching_same_losses_as_fixed_micro_batches(tmp_path):
 
 
 def test_dynamic_micro_batches_fit_the_budget_and_are_trimmed():
-    from rlmem.recipes.grpo import _micro_batches, make_batch
+    from rlmem.recipes.grpo import make_batch, micro_batches
+    from rlmem.recipes.runtime import Runtime
 
     seqs = [[1] * n for n in (3, 12, 5, 7, 2, 9, 4, 11)]
     b = make_batch(seqs, [2] * len(seqs), pad=0)
     cfg = GRPOConfig(dynamic_batching=True, max_tokens_per_micro_batch=24)
     mini = torch.tensor([7, 1, 0, 3, 2, 6, 5, 4])
-    parts = _micro_batches(cfg, b, mini, torch.device("cpu"), 1)
+    one_cpu = Runtime(torch.device("cpu"), 0, 1, "fp32", torch.float32, None, None)
+    parts = micro_batches(cfg, b, mini, one_cpu)
     assert sorted(torch.cat(parts).tolist()) == list(range(8))
     for p in parts:
         lens = b["attn"][p].sum(1)
@@ -270,7 +272,7 @@ def test_a_step_row_carries_the_communicators_suspend_and_resume():
     from types import SimpleNamespace
 
     from rlmem.comm import ResumeResult, SuspendResult
-    from rlmem.recipes._report import _comm_figures
+    from rlmem.recipes.report import comm_figures as _comm_figures
 
     none = SimpleNamespace(comm_suspend=None, comm_resume=None)
     assert _comm_figures(none) == {}

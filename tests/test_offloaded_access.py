@@ -280,13 +280,14 @@ def test_checkpoint_saved_in_rollout_equals_one_saved_in_train(device, tmp_path)
     """save_pretrained of the policy plus the optimizer state, as the GRPO loop sets the phases up (weights
     kept for the rollout) and with weights offloaded too."""
     pytest.importorskip("transformers")
-    from rlmem.recipes.grpo import GRPOConfig, _materialize_optimizer_state, build_policy
+    from rlmem.recipes.config import GRPOConfig
+    from rlmem.recipes.policy import build_policy, materialize_optimizer_state
 
     cfg = GRPOConfig(device=device, steps=1)
     for params in ("keep", "offload"):
         model = build_policy(cfg, torch.device(device), torch.float32, 16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _materialize_optimizer_state(opt)
+        materialize_optimizer_state(opt)
         cfg_pm = rlmem.OffloadConfig(offload_during_rollout=True, params=params, optimizer="offload")
         pm = rlmem.PhaseManager(model, opt, cfg_pm)
         ids = torch.randint(0, 16, (2, 6)).to(device)

@@ -228,7 +228,7 @@ def test_math_reward_reads_boxed_hashes_and_last_numbers():
 
 
 def test_the_gsm8k_example_is_a_valid_config():
-    from rlmem.recipes import _config
+    from rlmem.recipes import yaml_config as _config
     from rlmem.recipes.grpo import GRPOConfig
 
     cfg = _config.load(GRPOConfig, Path(__file__).parents[1] / "examples" / "grpo_gsm8k.yaml", [])

@@ -141,13 +141,12 @@ def _worker(
     import torch.distributed as dist
 
     from .. import comm
-    from ..comm._suspend import registry
 
     os.environ.update(env)  # before this process first initialises NCCL, which reads them once
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    drv = registry.get_driver()
+    drv = comm.nccl_driver()
     can_suspend = drv.can_suspend
     res: dict[str, Any] = {"nccl": drv.describe, "can_suspend": can_suspend, "env": env, "points": {}}
 

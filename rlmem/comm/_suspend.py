@@ -47,6 +47,7 @@ __all__ = [
     "ResumeResult",
     "SuspendResult",
     "memory_stats",
+    "nccl_driver",
     "resume",
     "suspend",
     "suspended",
@@ -224,6 +225,12 @@ class _Registry:
 
 
 registry = _Registry()
+
+
+def nccl_driver() -> Any:
+    """This process's binding to NCCL: ``can_suspend`` (the loaded libnccl has ``ncclCommSuspend``, or torch
+    has ``ProcessGroupNCCL.suspend``) and ``describe`` (which NCCL, which path). Loads nothing until asked."""
+    return registry.get_driver()
 
 
 def _initialized() -> None:

@@ -13,7 +13,7 @@ from .._units import parse_bytes
 from .data import CHAT_TEMPLATES
 from .task import SortDigitsTask
 
-__all__ = ["PRECISIONS", "TINY", "GRPOConfig", "keys_help", "train_parser"]
+__all__ = ["PRECISIONS", "ROLLOUT_DTYPES", "TINY", "GRPOConfig", "is_fraction", "keys_help", "train_parser"]
 
 
 # The embedded policy: Qwen2's architecture at a size that learns the toy task on two CPU cores in minutes.
@@ -27,7 +27,8 @@ TINY = dict(
     tie_word_embeddings=True,
 )
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
-ROLLOUT_DTYPES = (None, "bf16", "fp16")
+# rollout_dtype -> the torch dtypes name (this module imports no torch)
+ROLLOUT_DTYPES = {None: None, "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(kw_only=True)
@@ -166,7 +167,9 @@ class GRPOConfig:
         need("clip_eps", is_num(self.clip_eps) and 0 < self.clip_eps < 1, "in (0, 1)")
         need("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
         need("cuda_graphs", self.cuda_graphs in ("auto", "on", "off"), "'auto', 'on' or 'off'")
-        need("rollout_dtype", self.rollout_dtype in ROLLOUT_DTYPES, "None, 'bf16' or 'fp16'")
+        rd = self.rollout_dtype
+        known = rd is None or (isinstance(rd, str) and rd in ROLLOUT_DTYPES)
+        need("rollout_dtype", known, "None, 'bf16' or 'fp16'")
         need("offload", self.offload in (None, True, False), "true, false or null (auto)")
         need("comms", self.comms in ("keep", "suspend"), "'keep' or 'suspend'")
         mt = self.max_tokens_per_micro_batch
@@ -212,13 +215,14 @@ class GRPOConfig:
         SortDigitsTask(min_digits=self.min_digits, max_digits=self.max_digits)  # validates both
         if self.kv_budget is not None:
             v = self.kv_budget
-            if isinstance(v, float) or (isinstance(v, str) and _is_float(v)):
+            if isinstance(v, float) or (isinstance(v, str) and is_fraction(v)):
                 need("kv_budget", 0 < float(v) <= 1, "bytes like '16GiB' or a fraction in (0, 1]")
             else:
                 parse_bytes(v, "kv_budget")
 
 
-def _is_float(s: str) -> bool:
+def is_fraction(s: str) -> bool:
+    """Whether ``s`` is written as a float (``"0.5"``, ``"1e-1"``): ``kv_budget`` reads it as a fraction."""
     try:
         float(s)
     except ValueError:

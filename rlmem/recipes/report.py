@@ -1,5 +1,6 @@
-"""What ``rlmem train`` records and prints around its loop: the memory categories it tracks, the step
-line, the progress bar, the run summary, and ``rlmem report`` (re-print a run's memory table and plot)."""
+"""What ``rlmem train`` prints and sums up: the step line, the run summary, the plot's title, and
+``rlmem report`` (re-print a run's memory table and plot). Imports no training code, so ``rlmem report``
+answers without loading the loop."""
 
 from __future__ import annotations
 
@@ -7,78 +8,22 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
 from .._units import GiB, MiB
 from ..monitor.timeline import MemoryTimeline
-from ..train.phases import PhaseManager
-from ..train.state import TrainState
+from .config import GRPOConfig
 
-if TYPE_CHECKING:
-    from .grpo import GRPOConfig
-
-__all__ = ["report"]
-
-
-def _local_bytes(tensors: Any) -> int:
-    n = 0
-    for t in tensors:
-        if t is None or not torch.is_tensor(t):
-            continue
-        t = t.to_local() if hasattr(t, "to_local") else t
-        n += t.numel() * t.element_size()
-    return n
-
-
-def _track(
-    tl: MemoryTimeline,
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    pm: PhaseManager,
-    ref: nn.Module | None,
-    ref_state: TrainState | None,
-    sampler: Any,
-) -> None:
-    """Bytes by category on this device: rlmem's own counts where it holds the tensors, else the tensors."""
-
-    def cat(name: str) -> int:
-        if pm.state is not None:
-            return pm.state.stats().categories[name].resident_bytes
-        if name == "params":
-            return _local_bytes(model.parameters())
-        if name == "grads":
-            return _local_bytes(p.grad for p in model.parameters())
-        return _local_bytes(
-            v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
-        )
-
-    tl.track("params", lambda: cat("params"))
-    tl.track("grads", lambda: cat("grads"))
-    tl.track("optimizer", lambda: cat("optimizer"))
-    if ref is not None:
-        tl.track(
-            "reference",
-            lambda: (
-                ref_state.stats().categories["params"].resident_bytes
-                if ref_state is not None
-                else _local_bytes(ref.parameters())
-            ),
-        )
-    tl.track("kv_cache", lambda: sampler().region.resident_bytes if sampler() is not None else 0)
-    tl.track("cuda_graphs", lambda: sampler().graph_pool_bytes if sampler() is not None else 0)
-
-
-# -- output -------------------------------------------------------------------------------------------
+__all__ = ["banner", "comm_figures", "max_used", "report", "step_line", "summarize", "title"]
 
 
 def _gib(v: Any, digits: int = 2) -> str:
     return "-" if v is None else f"{v / GiB:.{digits}f}"
 
 
-def _comm_figures(switches: Any) -> dict[str, Any]:
+def comm_figures(switches: Any) -> dict[str, Any]:
     """This step's communicator suspend and resume on this rank (``PhaseManager.stats().switches``): how,
     seconds, and the device bytes the suspend freed."""
     sus, res = switches.comm_suspend, switches.comm_resume
@@ -92,7 +37,7 @@ def _comm_figures(switches: Any) -> dict[str, Any]:
     }
 
 
-def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
+def max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
     """Most device memory in use (driver's view: PyTorch's allocations, rlmem's Regions, the context) in a
     phase's samples; PyTorch's own peak misses the Regions."""
     used = []
@@ -104,7 +49,7 @@ def _max_used(tl: MemoryTimeline, phase: str, step: int) -> int | None:
     return max(used) if used else None
 
 
-def _step_line(r: dict[str, Any], steps: int) -> str:
+def step_line(r: dict[str, Any], steps: int) -> str:
     """One line per step, within 100 columns: reward, loss, KL, rollout throughput, rollout + train seconds,
     device GiB in use during rollout / train (the switch seconds and the rest are in ``log.jsonl``)."""
     return (
@@ -114,11 +59,23 @@ def _step_line(r: dict[str, Any], steps: int) -> str:
     )
 
 
-def _title(cfg: GRPOConfig, offload: bool, device: torch.device) -> str:
+def banner(
+    cfg: GRPOConfig, n_params: int, world: int, device: torch.device, precision: str, offload: bool
+) -> str:
+    """The run's first line: model, size, ranks, device, precision, offload and the step shape."""
+    return (
+        f"rlmem GRPO | model {cfg.model} ({n_params / 1e6:.2f}M params"
+        f"{', FSDP2 x' + str(world) if world > 1 else ''}) | {device.type} | precision {precision} | "
+        f"offload {'on' if offload else 'off'} | {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
+        f"{cfg.group_size} samples"
+    )
+
+
+def title(cfg: GRPOConfig, offload: bool, device: torch.device) -> str:
     return f"rlmem GRPO: {cfg.model} on {device.type}, offload {'on' if offload else 'off'}"
 
 
-def _summarize(
+def summarize(
     cfg: GRPOConfig,
     hist: list[dict[str, Any]],
     tl: MemoryTimeline,

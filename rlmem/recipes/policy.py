@@ -1,0 +1,250 @@
+"""The policy side of ``rlmem train``: the model, the reference model, the optimizer, the
+:class:`~rlmem.PhaseManager` that switches their memory between phases, the rollout engine, and FSDP2's
+gathering and sharding around the rollout (the only place the recipe asks how many ranks there are)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._units import parse_bytes
+from ..integrations.hf import HFSampler, kv_bytes_per_token
+from ..plan import presets
+from ..train.phases import OffloadConfig, PhaseManager
+from ..train.state import TrainState
+from .config import ROLLOUT_DTYPES, TINY, GRPOConfig, is_fraction
+from .prompts import PromptSource
+from .runtime import Runtime, offload
+
+__all__ = ["Policy", "build_policy", "materialize_optimizer_state"]
+
+
+def build_policy(
+    cfg: GRPOConfig, device: torch.device, dtype: torch.dtype, vocab: int, max_len: int = 0
+) -> nn.Module:
+    """The policy: the embedded tiny config, a named preset, or a local checkpoint; random init seeded."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "tiny":
+        conf = {**TINY, "max_position_embeddings": max(TINY["max_position_embeddings"], max_len)}
+        with torch.device(device):
+            model = Qwen2ForCausalLM(Qwen2Config(**conf, vocab_size=vocab))
+        return model.to(dtype)
+    if cfg.model in presets.QWEN2:
+        return presets.build(cfg.model, device, dtype, seed=cfg.seed)
+    path = Path(cfg.model)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model must be 'tiny', one of the presets {', '.join(presets.QWEN2)}, or a directory with a "
+            f"config.json saved by save_pretrained; got {cfg.model!r}"
+        )
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ValueError(
+            f"model: {str(path)!r} has a config.json but no weights (*.safetensors or *.bin); finish its "
+            "download, or use a preset for random weights"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if model.config.vocab_size < vocab:
+        raise ValueError(
+            f"model {cfg.model!r} has {model.config.vocab_size} tokens; the tokenizer or task needs {vocab}"
+        )
+    return model
+
+
+class Policy:
+    """The model being trained and what goes with it, built per ``cfg`` on ``rt``'s device.
+
+    Attributes:
+        model, ref, opt: the policy, its frozen reference (None without ``kl_coef``) and AdamW.
+        pm: the PhaseManager (disabled without offload): during rollout the optimizer states wait in pinned
+            host memory and gradients are dropped; the rollout runs on the policy's own weights, or on its
+            ``rollout_dtype`` copy, synced at every rollout (so the engine discards it while asleep).
+        ref_state: the reference's TrainState with offload on: it is on the device only while it scores.
+        engine: the sampler, made at the first rollout (once the train state has made room).
+    """
+
+    def __init__(self, cfg: GRPOConfig, rt: Runtime, prompts: PromptSource) -> None:
+        self.cfg, self.rt = cfg, rt
+        self.prompts = prompts
+        self.offload = offload(cfg, rt)
+        model = build_policy(cfg, rt.device, rt.param_dtype, prompts.vocab, prompts.max_len)
+        if cfg.gradient_checkpointing:  # Hugging Face's switch (renamed in transformers 5.x)
+            enable = (
+                getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            )
+            enable()
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        if rt.world > 1:
+            _shard(model, rt.device, rt.world)
+            if self.ref is not None:
+                _shard(self.ref, rt.device, rt.world)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        materialize_optimizer_state(self.opt)
+        self.own_copy = cfg.rollout_dtype is not None
+        self.pm = PhaseManager(model, self.opt)  # disabled until manage_memory()
+        self.ref_state: TrainState | None = None
+        self.engine: HFSampler | None = None
+
+    def manage_memory(self) -> None:
+        """Hand the memory to rlmem (with offload on): after a resume has loaded the weights and optimizer
+        states, so that what is adopted is what trains."""
+        self.pm = PhaseManager(
+            self.model,
+            self.opt,
+            OffloadConfig(
+                offload_during_rollout=self.offload,
+                params="keep",
+                grads="discard",
+                optimizer="offload",
+                engine_sleep_level=2 if self.own_copy else 1,
+                comms=self.cfg.comms,
+                overlap_offload=self.cfg.overlap_offload,
+            ),
+        )
+        if self.ref is not None and self.offload:
+            self.ref_state = TrainState(self.ref, None, name="reference")
+            self.ref_state.offload(params="offload", blocking=True)
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the whole policy (over every rank's shard)."""
+        return sum(p.numel() for p in self.model.parameters()) * self.rt.world
+
+    def weight_sync(self) -> Callable[[], Any] | None:
+        """What ``pm.rollout(sync_weights=...)`` runs: the engine's weight sync, and with the communicators
+        about to be suspended, FSDP's all-gather first (the weights are gathered while they still work)."""
+        sync = self.engine.sync_weights if self.engine is not None else None
+        if self.cfg.comms == "suspend":
+            reshard = self.own_copy and self.engine is not None
+            sync = functools.partial(self._gather_then, sync, reshard=reshard)
+        return sync
+
+    def make_engine(self) -> HFSampler:
+        """The sampler, made once; its KV cache is sized once the train state has made room."""
+        if self.engine is None:
+            cfg, rt = self.cfg, self.rt
+            dtype = ROLLOUT_DTYPES[cfg.rollout_dtype]
+            rollout_dtype = None if dtype is None else getattr(torch, dtype)
+            kv_dtype = rt.amp_dtype or rollout_dtype or rt.param_dtype
+            n_seqs = cfg.prompts_per_step // rt.world * cfg.group_size
+            self.engine = HFSampler(
+                self.model,
+                max_len=self.prompts.max_len,
+                batch_size=_kv_batch(cfg, self.model, n_seqs, self.prompts.max_len, kv_dtype),
+                pad_token_id=self.prompts.pad_id,
+                eos_token_id=self.prompts.eos_id,
+                compute_dtype=rt.amp_dtype,
+                cuda_graphs=cfg.cuda_graphs,
+                rollout_dtype=rollout_dtype,
+            )
+            self.pm.add_engine(self.engine)
+            if self.own_copy:  # filled from the weights gathered for it: FSDP's gathered copy can go
+                self._set_reshard(True)
+        return self.engine
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Under FSDP2, without a rollout copy, the rollout runs the model itself: its weights stay gathered
+        for the whole rollout (one all-gather instead of one per token), and are sharded again after."""
+        if not self.own_copy:
+            self._set_reshard(False)
+        try:
+            yield
+        finally:
+            if not self.own_copy:
+                self._set_reshard(True)
+
+    def _gather_then(self, then: Callable[[], Any] | None, *, reshard: bool) -> None:
+        """FSDP gathers the weights now (the rollout keeps them gathered), then ``then`` (the engine's weight
+        sync) runs on the full weights. ``reshard``: the engine samples from its own copy, so the gathered
+        weights go once it is synced."""
+        if self.rt.world > 1:
+            from torch.distributed.fsdp import FSDPModule
+
+            self._set_reshard(False)
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.unshard()
+        if then is not None:
+            then()
+        if reshard:
+            self._set_reshard(True)
+
+    def _set_reshard(self, reshard: bool) -> None:
+        if self.rt.world == 1:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        mods = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in mods:
+            m.set_reshard_after_forward(reshard, recurse=False)
+        if reshard:
+            for m in mods:
+                m.reshard()
+
+
+def _shard(model: nn.Module, device: torch.device, world: int) -> None:
+    """FSDP2: each decoder layer, then the root (so the embedding and head are sharded too). The mesh is on
+    the run's device type (FSDP2 would default to CUDA on a machine that has it, even for CPU ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create AdamW's states now (a zero-lr step on zero gradients, then the step counters reset), so that
+    the memory the train phase holds is in place before the rollout sizes its KV cache. The next real step
+    is then exactly a first step."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None
+        step = opt.state[p].get("step")
+        if torch.is_tensor(step):
+            step.zero_()
+        elif step is not None:
+            opt.state[p]["step"] = 0
+
+
+def _kv_batch(cfg: GRPOConfig, model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype) -> int:
+    """Sequences the KV cache holds: what ``kv_budget`` affords, never more than the rollout needs."""
+    per_seq = kv_bytes_per_token(model.config, dtype) * max_len
+    if cfg.kv_budget is None:
+        return n_seqs
+    v = cfg.kv_budget
+    if isinstance(v, float) or (isinstance(v, str) and is_fraction(v)):
+        dev = next(model.parameters()).device
+        total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_total()
+        budget = int(float(v) * total)
+    else:
+        budget = parse_bytes(v, "kv_budget")
+    if budget < per_seq:
+        raise ValueError(
+            f"kv_budget ({budget} bytes) holds less than one sequence of {max_len} tokens ({per_seq})"
+        )
+    return min(n_seqs, budget // per_seq)
+
+
+def _host_total() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

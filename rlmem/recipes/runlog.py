@@ -1,0 +1,197 @@
+"""What a run of ``rlmem train`` writes and prints: ``config.yaml``, ``log.jsonl`` (rewritten on resume to
+the steps before the one resumed from), the optional loggers and progress bar, the step line, one record per
+step (built in one place), the memory timeline's categories, and, at the end, the summary, the memory table
+and the plot. Only the lead rank writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..monitor.timeline import MemoryTimeline
+from .config import GRPOConfig
+from .loggers import Loggers, Progress, parse_loggers
+from .report import comm_figures, max_used, step_line, summarize, title
+from .runtime import Runtime
+from .yaml_config import dump
+
+__all__ = ["RunLog", "StepResult", "track"]
+
+
+@dataclass
+class StepResult:
+    """What one step measured on this rank (the record sums it over the ranks)."""
+
+    step: int
+    rewards: torch.Tensor
+    tokens: int  # rollout tokens sampled
+    resp_tokens: float  # completion tokens trained on
+    loss: float
+    kl: float
+    grad_norm: float
+    skipped: int
+    rollout_s: float
+    score_s: float
+    train_s: float
+    switch_s: float
+    step_s: float
+    eval_reward: float | None = None
+
+
+class RunLog:
+    """Opened once the run is known to start (a run refused earlier has written nothing over an earlier one).
+
+    Args:
+        cfg: the run's config (written to ``out_dir/config.yaml``).
+        rt: the runtime (only the lead rank writes and prints).
+        start: the step the run starts at (> 0 on resume: earlier log rows are kept, later ones dropped).
+        say: where lines go.
+        t0: when the run began (``time.perf_counter()``; the summary's wall time counts set-up too).
+    """
+
+    def __init__(self, cfg: GRPOConfig, rt: Runtime, start: int, say: Any, *, t0: float) -> None:
+        self.cfg, self.rt, self.say = cfg, rt, say
+        self.out = Path(cfg.out_dir)
+        self.t0 = t0
+        self.history: list[dict[str, Any]] = []
+        self._file = None
+        self.loggers: Loggers | None = None
+        if rt.lead:
+            self.out.mkdir(parents=True, exist_ok=True)
+            dump(cfg, self.out / "config.yaml")
+            # Only the lead reads the earlier log: it rewrites that file below, and another rank reading it
+            # meanwhile could see it empty. Decisions every rank must agree on count steps, not log rows.
+            log = self.out / "log.jsonl"
+            if start and log.is_file():
+                rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+                self.history = [r for r in rows if r["step"] < start]
+            self._file = log.open("w")
+            for r in self.history:  # what the resumed run had logged, without the steps it will repeat
+                self._file.write(json.dumps(r) + "\n")
+            names = parse_loggers(cfg.logger)
+            self.loggers = Loggers(names, self.out, dataclasses.asdict(cfg), resume=bool(start))
+        self.bar = Progress(cfg.steps, start, enabled=cfg.progress and rt.lead)
+
+    def record(self, r: StepResult, tl: MemoryTimeline, engine: Any, switches: Any) -> dict[str, Any]:
+        """The step's record, summed over the ranks: what ``log.jsonl``, the loggers and the line show."""
+        world = self.rt.world
+        mine = [r.rewards.sum().item(), len(r.rewards), r.loss, r.kl, r.resp_tokens, r.tokens]
+        stats = self.rt.all_reduce(torch.tensor(mine, dtype=torch.float64))
+        cfg = self.cfg
+        return {
+            "step": r.step,
+            "reward": stats[0].item() / stats[1].item(),
+            "loss": stats[2].item() / world,
+            "kl": stats[3].item() / max(stats[4].item(), 1),
+            "grad_norm": r.grad_norm,
+            "tokens": int(stats[5].item()),
+            "tokens_per_s": stats[5].item() / world / max(r.rollout_s, 1e-9),
+            "rollout_s": r.rollout_s,
+            "score_s": r.score_s,
+            "train_s": r.train_s,
+            "switch_s": r.switch_s,
+            "step_s": r.step_s,
+            "peak_rollout": tl.phases[-2].peak,
+            "peak_train": tl.phases[-1].peak,
+            "used_rollout": max_used(tl, "rollout", r.step),
+            "used_train": max_used(tl, "train", r.step),
+            "skipped_updates": r.skipped,
+            **({"eval/reward": r.eval_reward} if r.eval_reward is not None else {}),
+            "kv_batch": engine.batch_size,
+            "graph_captures": engine.captures,  # so far: the same after step 0 unless the weights moved
+            "kv_bytes": engine.kv_bytes,
+            **(comm_figures(switches) if switches is not None and cfg.comms == "suspend" else {}),
+            **({"overlapped": switches.overlapped} if switches is not None and cfg.overlap_offload else {}),
+        }
+
+    def step(self, rec: dict[str, Any]) -> None:
+        """Keep, write and show one step's record."""
+        self.history.append(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+        self.bar.clear()
+        self.say(step_line(rec, self.cfg.steps))
+        self.bar.update(rec["reward"])
+        if self.loggers is not None:
+            self.loggers.log(rec)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self._file is not None:
+            self._file.close()
+        if self.loggers is not None:
+            self.loggers.close()
+
+    def finish(self, tl: MemoryTimeline, offload: bool, *, done: int, interrupted: bool) -> dict[str, Any]:
+        """The run's summary (written with the timeline, on the lead), the memory table, plot and reward."""
+        cfg, rt, out, say = self.cfg, self.rt, self.out, self.say
+        wall = time.perf_counter() - self.t0
+        summary = summarize(cfg, self.history, tl, offload, rt.precision, rt.world, rt.device, wall)
+        if not rt.lead:
+            return summary
+        tl.save(out / "timeline.jsonl")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        say("")
+        say(tl.report())
+        if cfg.plot:
+            try:
+                say(f"timeline plot: {tl.plot(out / 'memory.png', title=title(cfg, offload, rt.device))}")
+            except RuntimeError as e:
+                say(f"(no plot: {e})")
+        if self.history:
+            say(
+                f"reward: first 5 steps {summary['reward_first5']:.3f} -> last 5 steps "
+                f"{summary['reward_last5']:.3f} | {summary['wall_s']:.1f} s | logs in {out}"
+            )
+        if interrupted:
+            say(f"interrupted after {done} steps: log, timeline and summary in {out}")
+        return summary
+
+
+def _local_bytes(tensors: Any) -> int:
+    n = 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        n += t.numel() * t.element_size()
+    return n
+
+
+def track(tl: MemoryTimeline, policy: Any) -> None:
+    """The timeline's categories: bytes on this device, rlmem's own counts where it holds the tensors (the
+    PhaseManager's TrainState, the reference's), else the tensors; the engine's KV cache and graphs."""
+    pm, model, opt, ref, ref_state = policy.pm, policy.model, policy.opt, policy.ref, policy.ref_state
+
+    def cat(name: str) -> int:
+        if pm.state is not None:
+            return pm.state.stats().categories[name].resident_bytes
+        if name == "params":
+            return _local_bytes(model.parameters())
+        if name == "grads":
+            return _local_bytes(p.grad for p in model.parameters())
+        return _local_bytes(
+            v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        )
+
+    tl.track("params", lambda: cat("params"))
+    tl.track("grads", lambda: cat("grads"))
+    tl.track("optimizer", lambda: cat("optimizer"))
+    if ref is not None:
+        tl.track(
+            "reference",
+            lambda: (
+                ref_state.stats().categories["params"].resident_bytes
+                if ref_state is not None
+                else _local_bytes(ref.parameters())
+            ),
+        )
+    tl.track("kv_cache", lambda: policy.engine.region.resident_bytes if policy.engine is not None else 0)
+    tl.track("cuda_graphs", lambda: policy.engine.graph_pool_bytes if policy.engine is not None else 0)

@@ -1,0 +1,159 @@
+"""Where and how ``rlmem train`` computes: the device, this process's rank among the world of ranks,
+the precision (autocast and the fp16 loss scaler), and the Ctrl-C handling every rank agrees on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import GRPOConfig
+
+__all__ = ["Runtime", "StopRequest", "setup"]
+
+
+@dataclass
+class Runtime:
+    """The run's device, rank and world size, precision, and the loss scaler of fp16 (None otherwise).
+
+    ``ctl`` is a Gloo group for the rollout's own reductions while the NCCL groups are suspended (None
+    unless ``comms='suspend'``)."""
+
+    device: torch.device
+    rank: int
+    world: int
+    precision: str
+    param_dtype: torch.dtype
+    amp_dtype: torch.dtype | None
+    scaler: torch.amp.GradScaler | None
+    ctl: Any = None
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext()
+
+    def synchronize(self) -> None:
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """``t`` summed (or reduced by ``op``) over the ranks, on the CPU; ``t`` itself on one rank."""
+        if self.world == 1:
+            return t
+        on = t.to(self.device)
+        dist.all_reduce(on, **({"op": op} if op is not None else {}))
+        return on.cpu()
+
+
+def setup(cfg: GRPOConfig) -> Runtime:
+    """The runtime ``cfg`` asks for; starts torch.distributed when launched by torchrun.
+
+    Raises:
+        ValueError: no CUDA for ``device='cuda'``, prompts that do not split over the ranks, or
+            ``comms='suspend'`` where it cannot work.
+    """
+    device, rank, world = _setup_device(cfg)
+    on_cuda = device.type == "cuda"
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if on_cuda else "fp32")
+    # fp16's narrow range needs dynamic loss scaling; a step whose gradients overflow is skipped.
+    rt = Runtime(
+        device=device,
+        rank=rank,
+        world=world,
+        precision=precision,
+        param_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+        amp_dtype={"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision),
+        scaler=torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None,
+    )
+    if cfg.comms == "suspend":
+        _check_suspend(rt, offload(cfg, rt))
+        rt.ctl = dist.new_group(backend="gloo")
+    return rt
+
+
+def offload(cfg: GRPOConfig, rt: Runtime) -> bool:
+    """Whether rlmem switches memory between phases: ``cfg.offload``, or on for CUDA when unset."""
+    return cfg.offload if cfg.offload is not None else rt.on_cuda
+
+
+def _setup_device(cfg: GRPOConfig) -> tuple[torch.device, int, int]:
+    """(device, rank, world size)."""
+    want = cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return torch.device(want, 0) if want == "cuda" else torch.device("cpu"), 0, 1
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if want == "cuda" else torch.device("cpu")
+    if want == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        kw = {"device_id": device} if want == "cuda" else {}
+        dist.init_process_group("nccl" if want == "cuda" else "gloo", **kw)
+    if cfg.prompts_per_step % world:
+        raise ValueError(f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the {world} ranks")
+    return device, dist.get_rank(), world
+
+
+def _check_suspend(rt: Runtime, offloading: bool) -> None:
+    if not (offloading and rt.on_cuda and rt.world > 1):
+        raise ValueError(
+            "comms='suspend' releases NCCL communicators during rollout: it needs several ranks "
+            f"(torchrun) on CUDA with offload on; this run has {rt.world} rank(s) on {rt.device.type}, "
+            f"offload {'on' if offloading else 'off'}"
+        )
+    from ..comm import nccl_driver
+
+    drv = nccl_driver()
+    if not drv.can_suspend:
+        # The rebuild fallback gives the group objects new communicators, but FSDP2's DTensor reductions
+        # (gradient clipping) reach communicators by group name from C++, where they are gone.
+        raise ValueError(
+            f"comms='suspend' needs an NCCL that can suspend communicators (>= 2.29.7); this process "
+            f"loaded {drv.describe}. Load a newer libnccl with LD_PRELOAD before torch starts, or use "
+            "comms='keep'"
+        )
+
+
+class StopRequest:
+    """The first SIGINT asks the loop to stop after the step in flight (so a checkpoint of whole steps can be
+    written); a second one interrupts at once. Every rank stops at the same step: the request is
+    all-reduced at the end of each step."""
+
+    def __init__(self, say: Any) -> None:
+        self.requested = False
+        self._say = say
+        self._old: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self._say("\nstopping after this step (Ctrl-C again to stop now)")
+
+    def agreed(self, rt: Runtime) -> bool:
+        flag = rt.all_reduce(torch.tensor([float(self.requested)]), op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
