@@ -188,9 +188,9 @@ def _patched(monkeypatch, has_api):
 
 def test_driver_uses_torchs_own_suspend_where_torch_has_it(monkeypatch):
     _driver, fake = _patched(monkeypatch, True)
-    drv = _driver._Driver()
+    drv = _driver.Driver()
     assert drv.api == "torch" and "via torch" in drv.describe
-    c = _driver._Comm(_TorchBackend(), 1234)
+    c = _driver.Comm(_TorchBackend(), 1234)
     drv.suspend(c)
     assert drv.mem_stat(c, _nccl.STAT_SUSPEND) == 480 * MiB
     assert drv.mem_stat(c, _nccl.STAT_SUSPENDED) == 1
@@ -202,25 +202,25 @@ def test_driver_uses_torchs_own_suspend_where_torch_has_it(monkeypatch):
 
 def test_driver_falls_back_to_ctypes_when_torchs_build_lacks_the_api(monkeypatch):
     _driver, fake = _patched(monkeypatch, True)
-    drv = _driver._Driver()
-    c = _driver._Comm(_TorchBackend(headers_old=True), 1234)
+    drv = _driver.Driver()
+    c = _driver.Comm(_TorchBackend(headers_old=True), 1234)
     drv.suspend(c)  # torch's method raised "requires NCCL": the same call goes through ctypes
     assert drv.api == "ctypes" and fake.calls == [("suspend", 1234)]
     drv.resume(c)
     assert c.backend.calls == ["suspend"] and fake.calls[-1] == ("resume", 1234)
     # forced to torch's API, its error is the caller's
-    forced = _driver._Driver(api="torch")
+    forced = _driver.Driver(api="torch")
     with pytest.raises(RuntimeError, match=r"requires NCCL 2\.29\.7"):
-        forced.suspend(_driver._Comm(_TorchBackend(headers_old=True), 1))
+        forced.suspend(_driver.Comm(_TorchBackend(headers_old=True), 1))
 
 
 def test_driver_without_torchs_api_uses_ctypes(monkeypatch):
     _driver, fake = _patched(monkeypatch, False)
-    drv = _driver._Driver()
-    c = _driver._Comm(_TorchBackend(), 77)
+    drv = _driver.Driver()
+    c = _driver.Comm(_TorchBackend(), 77)
     drv.suspend(c)
     drv.resume(c)
     assert drv.api == "ctypes" and "via ctypes" in drv.describe
     assert fake.calls == [("suspend", 77), ("resume", 77)] and c.backend.calls == []
     with pytest.raises(RuntimeError, match=r"no suspend\(\)/resume\(\)"):
-        _driver._Driver(api="torch")
+        _driver.Driver(api="torch")

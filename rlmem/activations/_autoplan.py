@@ -15,12 +15,10 @@ first decoder layer's input, so a new sequence-length bucket is measured and pla
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _budget, _scopes
-
-if TYPE_CHECKING:
-    from .offloader import ActivationOffloader
+from ._pool import HostPool
 
 PROFILE = "profile"  # record what each scope saves and when; nothing offloaded
 BASELINE = "baseline"  # the offloader stays out of the step: its time is the reference
@@ -49,12 +47,34 @@ def shape_key(args: tuple, kwargs: dict) -> int | None:
     return None if t is None else int(t.numel()).bit_length()
 
 
-def _step_s(off: ActivationOffloader, end: Any = None) -> float:
+@dataclass
+class StepTimes:
+    """A step's marks on the copies' clock (events on a GPU; None where the step did not reach them) and the
+    device's allocated bytes, as the offloader records them for the budget mode."""
+
+    start: Any = None
+    alloc_start: int = 0
+    layers: dict[int, Any] = field(default_factory=dict)  # where each decoder layer's forward began
+    layers_end: Any = None  # where the last decoder layer's forward ended
+    backward_start: Any = None
+    allocated_at_backward: int = 0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the budget mode reads of a step that just ended: its ``times``, the offloader's ``copies`` (the
+    clock, the link-rate and copy-cost probes) and its host ``pool`` (reserved for the plan)."""
+
+    times: StepTimes
+    copies: Any
+    pool: HostPool
+
+
+def _step_s(m: Measured, end: Any = None) -> float:
     """Seconds from the step's start mark to ``end`` (now, if not given), after one host sync."""
-    copies = off._copies
-    end = copies.mark() if end is None else end
-    copies.synchronize()
-    return copies.elapsed(off._times["start"], end)
+    end = m.copies.mark() if end is None else end
+    m.copies.synchronize()
+    return m.copies.elapsed(m.times.start, end)
 
 
 def forward_scale(
@@ -145,63 +165,63 @@ class BudgetControl:
         return self.mode_for(self.expect) in (RUN, IDLE)
 
     # --------------------------------------------------------------- learning
-    def end(self, off: ActivationOffloader, measured: dict[tuple[str, int], list[Any]] | None) -> None:
+    def end(self, m: Measured, measured: dict[tuple[str, int], list[Any]] | None) -> None:
         """Learn from the step that just ended (one host sync when it was measured)."""
         mode, key = self.mode, self.key
         self.expect = key
         if mode == PROFILE:
             assert measured is not None
-            self._profiled(off, key, measured)
+            self._profiled(m, key, measured)
         elif mode == BASELINE and key == self._entered_for:
             s = self.shapes[key]
-            s.reference.append(_step_s(off))
-            if "layers_end" in off._times:
-                s.reference_forward.append(off._copies.elapsed(off._times["start"], off._times["layers_end"]))
+            s.reference.append(_step_s(m))
+            if m.times.layers_end is not None:
+                s.reference_forward.append(m.copies.elapsed(m.times.start, m.times.layers_end))
             if len(s.reference) >= _REFERENCE_STEPS:
                 baseline = _budget.median(s.reference)
                 assert s.profile is not None
-                cold = off._copies.asynchronous and s.profile["step_s"] > _COLD * baseline
+                cold = m.copies.asynchronous and s.profile["step_s"] > _COLD * baseline
                 if cold and s.remeasured < _REMEASURE:
                     self.shapes[key] = _Shape(remeasured=s.remeasured + 1)  # measured again, warm
                 else:
-                    self._plan(off, key, baseline)
+                    self._plan(m, key, baseline)
         elif mode == REFERENCE and key == self._entered_for:
             s = self.shapes[key]
             assert s.search is not None
-            s.search.record_reference(_step_s(off))
+            s.search.record_reference(_step_s(m))
         elif mode == TRIAL:
             s = self.shapes[key]
             assert s.search is not None
-            s.plan = s.search.record(_step_s(off))
+            s.plan = s.search.record(_step_s(m))
 
-    def _profiled(self, off: ActivationOffloader, key: int | None, measured: dict) -> None:
-        times, copies = off._times, off._copies
+    def _profiled(self, m: Measured, key: int | None, measured: dict) -> None:
+        times, copies, pool = m.times, m.copies, m.pool
         end = copies.mark()
-        step_s = _step_s(off, end)  # the one host sync of the measured step: its events can be read now
-        start = times["start"]
+        step_s = _step_s(m, end)  # the one host sync of the measured step: its events can be read now
+        start = times.start
         cands = [
             _budget.Candidate(name, layer, nbytes, copies.elapsed(start, t0), count)
             for (name, layer), (nbytes, t0, count) in measured.items()
         ]
         total = sum(c.nbytes for c in cands)
         if copies.asynchronous:
-            act = max(0, int(off._step["allocated_at_backward"] - times["alloc_start"])) or total
+            act = max(0, int(times.allocated_at_backward - times.alloc_start)) or total
         else:
             act = total
-        assert off._pool is not None
         probe = max(min(total, 512 << 20), 1 << 20)
-        off._pool.reserve(probe)
-        rate = copies.link_rate(off._pool.alloc(probe))
-        off._pool.reset()
-        off._pool.reserve(_SMALL * _SMALL_COPIES)
-        per_copy = copies.copy_cost(off._pool.alloc(_SMALL * _SMALL_COPIES), _SMALL)
-        off._pool.reset()
-        layers_end = times.get("layers_end")
+        pool.reserve(probe)
+        rate = copies.link_rate(pool.alloc(probe))
+        pool.reset()
+        pool.reserve(_SMALL * _SMALL_COPIES)
+        per_copy = copies.copy_cost(pool.alloc(_SMALL * _SMALL_COPIES), _SMALL)
+        pool.reset()
+        layers_end = times.layers_end
+        backward = times.backward_start
         profile = {
             "candidates": cands,
             "layers_end_s": None if layers_end is None else copies.elapsed(start, layers_end),
-            "layer_starts": {i: copies.elapsed(start, t) for i, t in times.get("layers", {}).items()},
-            "forward_s": copies.elapsed(start, times.get("backward_start", end)),
+            "layer_starts": {i: copies.elapsed(start, t) for i, t in times.layers.items()},
+            "forward_s": copies.elapsed(start, end if backward is None else backward),
             "step_s": step_s,
             "activation_bytes": act,
             "rate": rate,
@@ -210,10 +230,10 @@ class BudgetControl:
         old = self.shapes.get(key)
         s = self.shapes[key] = _Shape(profile=profile, remeasured=0 if old is None else old.remeasured)
         if self.budget != "auto":  # a byte budget must be met, hidden or not: no reference, no search
-            self._plan(off, key, 0.0)
+            self._plan(m, key, 0.0)
             s.plan = replace(s.plan, settled=True)  # type: ignore[arg-type]
 
-    def _plan(self, off: ActivationOffloader, key: int | None, baseline_s: float) -> None:
+    def _plan(self, m: Measured, key: int | None, baseline_s: float) -> None:
         s = self.shapes[key]
         p = s.profile
         assert p is not None
@@ -245,6 +265,5 @@ class BudgetControl:
             s.search = _budget.PrefixSearch(plan, baseline_s, self.max_overhead, tries=_TRIES)
             plan = s.search.plan
         s.plan = plan
-        assert off._pool is not None
         if plan.offload_bytes:
-            off._pool.reserve(plan.offload_bytes + (64 << 20))
+            m.pool.reserve(plan.offload_bytes + (64 << 20))

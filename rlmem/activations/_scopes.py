@@ -9,43 +9,72 @@ a module (fused experts' first matmul) is scoped by a torch-function mode around
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .modmap import Target
+from .modmap import LayerMap, Target
 
-if TYPE_CHECKING:
-    from .offloader import ActivationOffloader
+__all__ = ["Active", "Host", "current", "enter", "install", "leave"]
 
-__all__ = ["current", "enter", "install", "leave"]
+
+class Active(Protocol):
+    """The offloader of a thread's active context, as :func:`rlmem.checkpoint` uses it."""
+
+    def scope(self, name: str, layer: int) -> AbstractContextManager[None]: ...
+
+    def owns_layer(self, layer: nn.Module) -> bool: ...
+
+
+class Host(Protocol):
+    """What the hooks :func:`install` registers call: the offloader's scope stack (``push`` / ``pop``, a
+    ``None`` scope offloads nothing), whether it offloads now (``live``) and wants a scope (``wants``), the
+    blocks and layers of the forward pass, and ``modes``, the torch-function modes the parameter scopes
+    entered (innermost last)."""
+
+    layer_map: LayerMap
+    names: list[str]
+    modes: list[TorchFunctionMode | None]
+    live: Callable[[], bool]
+    wants: Callable[[tuple[str, int]], bool]
+    push: Callable[..., None]
+    pop: Callable[[], None]
+    scope: Callable[[str, int], AbstractContextManager[None]]
+    enter_block: Callable[[frozenset, tuple, dict], None]
+    leave_block: Callable[[], None]
+    enter_layer: Callable[[int, tuple, dict], None]
+    first_layer: Callable[[tuple, dict], None]
+    forward_done: Callable[[], None]
+
 
 _tls = threading.local()
 
 
-def current() -> ActivationOffloader | None:
+def current() -> Active | None:
     """The offloader whose context is active in this thread, if any (used by :func:`rlmem.checkpoint`)."""
     stack = getattr(_tls, "stack", None)
     return stack[-1] if stack else None
 
 
-def enter(off: ActivationOffloader) -> None:
+def enter(off: Active) -> None:
     stack = getattr(_tls, "stack", None)
     if stack is None:
         stack = _tls.stack = []
     stack.append(off)
 
 
-def leave(off: ActivationOffloader) -> None:
+def leave(off: Active) -> None:
     _tls.stack.remove(off)
 
 
 class _ParamCalls(TorchFunctionMode):
     """Scopes the calls inside a module that take one of its parameters (fused experts' first matmul)."""
 
-    def __init__(self, off: ActivationOffloader, name: str, layer: int, param: torch.Tensor) -> None:
+    def __init__(self, off: Host, name: str, layer: int, param: torch.Tensor) -> None:
         super().__init__()
         self._off, self._name, self._layer = off, name, layer
         storage = param.untyped_storage()
@@ -64,7 +93,7 @@ class _ParamCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def install(off: ActivationOffloader) -> list[Any]:
+def install(off: Host) -> list[Any]:
     """Register the hooks of ``off`` on its model; returns the handles."""
     hooks: list[Any] = []
     lm = off.layer_map
@@ -88,7 +117,7 @@ def install(off: ActivationOffloader) -> list[Any]:
     return hooks
 
 
-def _quiet_hooks(off: ActivationOffloader, layer: nn.Module, i: int, targets: list[Target]) -> list[Any]:
+def _quiet_hooks(off: Host, layer: nn.Module, i: int, targets: list[Target]) -> list[Any]:
     """On each block of layer ``i`` that holds modules of its own (attention, MLP, MoE block): the saved
     tensors inside it skip the offloader's hooks when none of its own scopes is chosen and none of its
     inputs shares an offloaded storage. In a layer with a chosen scope every saved tensor otherwise passes
@@ -102,22 +131,22 @@ def _quiet_hooks(off: ActivationOffloader, layer: nn.Module, i: int, targets: li
         scopes = frozenset((t.name, i) for t in targets if t.layer == i and id(t.module) in inside)
 
         def pre(mod: nn.Module, args: Any, kwargs: Any, scopes: frozenset = scopes) -> None:
-            off._enter_block(scopes, args, kwargs)
+            off.enter_block(scopes, args, kwargs)
 
         hooks.append(child.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-        hooks.append(child.register_forward_hook(lambda *_: off._leave_block(), always_call=True))
+        hooks.append(child.register_forward_hook(lambda *_: off.leave_block(), always_call=True))
     return hooks
 
 
-def _scope_hooks(off: ActivationOffloader, t: Target, name: str | None) -> list[Any]:
+def _scope_hooks(off: Host, t: Target, name: str | None) -> list[Any]:
     layer = t.layer
     scope = None if name is None else (name, layer)
     if t.param is not None:
         pname = t.param
-        modes = off._modes
+        modes = off.modes
 
         def pre_param(mod: nn.Module, args: Any) -> None:
-            if not off._live() or not off._wants(scope):
+            if not off.live() or not off.wants(scope):
                 modes.append(None)
                 return
             mode = _ParamCalls(off, t.name, layer, getattr(mod, pname))
@@ -136,10 +165,10 @@ def _scope_hooks(off: ActivationOffloader, t: Target, name: str | None) -> list[
         ]
 
     def pre(mod: nn.Module, args: Any) -> None:
-        off._push(scope if scope is not None and off._live() and off._wants(scope) else None)
+        off.push(scope if scope is not None and off.live() and off.wants(scope) else None)
 
     def post(mod: nn.Module, args: Any, out: Any) -> None:
-        off._pop()
+        off.pop()
 
     return [t.module.register_forward_pre_hook(pre), t.module.register_forward_hook(post, always_call=True)]
 
@@ -150,27 +179,27 @@ def layer_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return t if isinstance(t, torch.Tensor) else None
 
 
-def _layer_end(off: ActivationOffloader, i: int) -> Any:
+def _layer_end(off: Host, i: int) -> Any:
     if i == len(off.layer_map.layers) - 1:
 
         def last(*_: Any) -> None:
-            off._pop()
-            off._forward_done()
+            off.pop()
+            off.forward_done()
 
         return last
-    return lambda *_: off._pop()
+    return lambda *_: off.pop()
 
 
-def _layer_start(off: ActivationOffloader, i: int) -> Any:
+def _layer_start(off: Host, i: int) -> Any:
     if i == 0:
 
         def first(mod: nn.Module, args: Any, kwargs: Any) -> None:
-            off._first_layer(args, kwargs)
-            off._enter_layer(0, args, kwargs)
+            off.first_layer(args, kwargs)
+            off.enter_layer(0, args, kwargs)
 
         return first
 
     def pre(mod: nn.Module, args: Any, kwargs: Any) -> None:
-        off._enter_layer(i, args, kwargs)
+        off.enter_layer(i, args, kwargs)
 
     return pre

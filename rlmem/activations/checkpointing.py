@@ -109,7 +109,7 @@ def _checkpointed(forward: Any, layer: nn.Module, index: int, args: tuple, kwarg
     off = activations.current()
     scope = (
         off.scope(activations.CHECKPOINT_INPUT, index)
-        if off is not None and id(layer) in off._layer_ids
+        if off is not None and off.owns_layer(layer)
         else contextlib.nullcontext()
     )
     with scope:

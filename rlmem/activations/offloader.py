@@ -165,7 +165,7 @@ class ActivationOffloader:
         self.max_overhead = max_overhead
         self.prefetch = prefetch
         self.layer_map = layer_map
-        self._layer_ids = {id(m) for _, m in layer_map.layers}  # read by rlmem.checkpoint
+        self._layer_ids = {id(m) for _, m in layer_map.layers}
         # The last RELEASE_LAG layers' copies are never let go in the forward pass (not even when seen
         # complete): backward needs them first, and reloading them would hold it up.
         self._keep_from = len(layer_map.layers) - RELEASE_LAG
@@ -193,7 +193,7 @@ class ActivationOffloader:
         self._control = None if budget is None else _autoplan.BudgetControl(budget, max_overhead, RELEASE_LAG)
         self._bypass = False  # this step runs without the offloader (the budget mode's reference step)
         self._seen: set[int] = set()
-        self._times: dict[str, Any] = {}
+        self._times = _autoplan.StepTimes()
         self._backward = False  # this step's backward has begun (its first unpack)
         self._totals = {"steps": 0, "offloaded_bytes": 0, "reloaded_bytes": 0}
         self._step: dict[str, Any] = self._new_step()
@@ -206,12 +206,12 @@ class ActivationOffloader:
         if not enabled:
             return
         self._pool = HostPool(self.device.index if self.device.type == "cuda" else None)
-        self._hooks = _scopes.install(self)
+        self._hooks = _scopes.install(_HookCalls(self))
 
     # ----------------------------------------------------------------- scopes
     def _layer_started(self, i: int) -> None:
-        if self._measure is not None and i not in self._times.setdefault("layers", {}):
-            self._times["layers"][i] = self._copies.mark()
+        if self._measure is not None and i not in self._times.layers:
+            self._times.layers[i] = self._copies.mark()
         if self._inflight:
             self._release_through(i - RELEASE_LAG)
             self._poll()
@@ -224,11 +224,11 @@ class ActivationOffloader:
             self._active
             and c is not None
             and c.mode in _autoplan.TIMED_FORWARD
-            and "start" in self._times
-            and "layers_end" not in self._times
+            and self._times.start is not None
+            and self._times.layers_end is None
             and torch._C._current_graph_task_id() == -1  # not a checkpoint's recomputation in backward
         ):
-            self._times["layers_end"] = self._copies.mark()
+            self._times.layers_end = self._copies.mark()
 
     def _live(self) -> bool:
         # Not while backward runs: a checkpoint's recomputation needs its tensors at once.
@@ -357,6 +357,11 @@ class ActivationOffloader:
         self._scope.pop()
         if self._pushed.pop():
             torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def owns_layer(self, layer: nn.Module) -> bool:
+        """Whether ``layer`` is one of the decoder layers this handle offloads from (``rlmem.checkpoint``
+        offloads a checkpointed layer's inputs under its scope)."""
+        return id(layer) in self._layer_ids
 
     @contextmanager
     def scope(self, name: str, layer: int) -> Iterator[None]:
@@ -520,7 +525,7 @@ class ActivationOffloader:
         # the last layers' copies have completed by now, and letting their memory go would mean reloading
         # what backward needs first).
         self._backward = True
-        self._times["backward_start"] = self._copies.mark()
+        self._times.backward_start = self._copies.mark()
         self._note_kept()
         st = self._step
         for e in self._entries:
@@ -529,7 +534,7 @@ class ActivationOffloader:
                     st["copying_at_backward_bytes"] += e.nbytes
             elif e.storage() is not None:
                 st["held_elsewhere_bytes"] += e.nbytes
-        st["allocated_at_backward"] = self._copies.allocated()
+        st["allocated_at_backward"] = self._times.allocated_at_backward = self._copies.allocated()
 
     def _device_copy(self, e: Entry) -> torch.Tensor:
         st = self._step
@@ -604,14 +609,14 @@ class ActivationOffloader:
             self._bypass = mode in _autoplan.OUT_OF_STEP
             self._apply(mode)
             self._times = (
-                {}
+                _autoplan.StepTimes()
                 if mode == _autoplan.IDLE
-                else {"start": self._copies.mark(), "alloc_start": self._copies.allocated()}
+                else _autoplan.StepTimes(start=self._copies.mark(), alloc_start=self._copies.allocated())
             )
             if self._bypass:
                 return self
         else:
-            self._times = {}
+            self._times = _autoplan.StepTimes()
         _scopes.enter(self)
         return self
 
@@ -624,7 +629,7 @@ class ActivationOffloader:
             self._bypass = False
             self._finish_step()
             if exc[0] is None and c is not None:
-                c.end(self, None)
+                c.end(self._measured(), None)
             return
         _scopes.leave(self)
         while self._quiet:  # a block left by an exception: its layer's hooks back before they are popped
@@ -640,9 +645,13 @@ class ActivationOffloader:
             return
         measured, self._measure = self._measure, None
         before = self.plan
-        c.end(self, measured)
+        c.end(self._measured(), measured)
         if self.plan is not before and self.plan is not None and self.plan.settled:
             log.info("%s", self.plan)
+
+    def _measured(self) -> _autoplan.Measured:
+        assert self._pool is not None
+        return _autoplan.Measured(self._times, self._copies, self._pool)
 
     def _finish_step(self) -> None:
         if self._inflight:
@@ -697,6 +706,27 @@ class ActivationOffloader:
         if self._pool is not None:
             self._pool.free()
         self.enabled = False
+
+
+class _HookCalls:
+    """The offloader's side of the hooks ``_scopes.install`` registers (its ``Host`` protocol): bound methods,
+    so that a hook costs no more than a call of the method itself."""
+
+    def __init__(self, off: ActivationOffloader) -> None:
+        self.layer_map, self.names, self.modes = off.layer_map, off.names, off._modes
+        self.live, self.wants, self.push, self.pop, self.scope = (
+            off._live,
+            off._wants,
+            off._push,
+            off._pop,
+            off.scope,
+        )
+        self.enter_block, self.leave_block = off._enter_block, off._leave_block
+        self.enter_layer, self.first_layer, self.forward_done = (
+            off._enter_layer,
+            off._first_layer,
+            off._forward_done,
+        )
 
 
 def offload_activations(

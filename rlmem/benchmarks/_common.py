@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -43,7 +43,7 @@ def environment(device: torch.device) -> dict[str, Any]:
             "rlmem": __version__,
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
-            "cuda_bindings": _version("cuda-bindings"),
+            "cuda_bindings": package_version("cuda-bindings"),
             "python": platform.python_version(),
         },
         "host": {"cpus": os.cpu_count(), "platform": platform.platform()},

@@ -200,7 +200,7 @@ def _measure_rollout(model: Any, cfg: dict[str, Any], device: torch.device) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ._common import _version, check_targets, format_table
+    from ._common import check_targets, format_table, package_version
     from ._harness import Run
 
     run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         summary,
         met=met,
         name_key="benchmark",
-        transformers=_version("transformers"),
+        transformers=package_version("transformers"),
         model="qwen2-2.5b",
         allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         results=results,

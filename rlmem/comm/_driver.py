@@ -15,7 +15,7 @@ import torch
 
 from . import _nccl
 
-__all__ = ["_Comm", "_Driver", "torch_has_api"]
+__all__ = ["Comm", "Driver", "torch_has_api"]
 
 
 # torch's memory_stats() keys for NCCL's ncclCommMemStat_t values.
@@ -27,7 +27,7 @@ _TORCH_STATS = {
 }
 
 
-class _Comm:
+class Comm:
     """One group's communicator on this rank: torch's backend object and NCCL's handle (0 if unknown)."""
 
     __slots__ = ("backend", "ptr")
@@ -46,7 +46,7 @@ def torch_has_api() -> bool:
     return all(hasattr(ProcessGroupNCCL, m) for m in ("suspend", "resume", "memory_stats"))
 
 
-class _Driver:
+class Driver:
     """What rlmem.comm asks of NCCL and the device (the tests swap in a host-only one).
 
     Args:
@@ -65,7 +65,7 @@ class _Driver:
 
         return "nccl" in str(dist.get_backend(pg)).lower()
 
-    def comm(self, pg: Any) -> _Comm:
+    def comm(self, pg: Any) -> Comm:
         dev = torch.device("cuda", torch.cuda.current_device())
         backend = pg._get_backend(dev)
         ptr = int(backend._comm_ptr()) if hasattr(backend, "_comm_ptr") else 0
@@ -75,7 +75,7 @@ class _Driver:
                 "eagerly (init_process_group(..., device_id=torch.device('cuda', i))) or run one "
                 "collective first"
             )
-        return _Comm(backend, ptr)
+        return Comm(backend, ptr)
 
     @property
     def can_suspend(self) -> bool:
@@ -87,7 +87,7 @@ class _Driver:
         via = "torch ProcessGroupNCCL.suspend" if self.api == "torch" else "ctypes"
         return f"NCCL {self.nccl.version_string} ({self.nccl.path}; via {via})"
 
-    def _torch_call(self, what: str, c: _Comm) -> tuple[bool, Any]:
+    def _torch_call(self, what: str, c: Comm) -> tuple[bool, Any]:
         """``(True, result)`` of torch's method, or ``(False, None)`` once it has proven unusable (a torch
         built against NCCL headers older than the API raises "requires NCCL 2.29.7"): ctypes from then on."""
         try:
@@ -104,18 +104,18 @@ class _Driver:
     def free_bytes(self) -> int:
         return int(torch.cuda.mem_get_info()[0])
 
-    def async_error(self, c: _Comm) -> int:
+    def async_error(self, c: Comm) -> int:
         return self.nccl.async_error(c.ptr)
 
-    def suspend(self, c: _Comm) -> None:
+    def suspend(self, c: Comm) -> None:
         if not (self.api == "torch" and self._torch_call("suspend", c)[0]):
             self.nccl.suspend(c.ptr)
 
-    def resume(self, c: _Comm) -> None:
+    def resume(self, c: Comm) -> None:
         if not (self.api == "torch" and self._torch_call("resume", c)[0]):
             self.nccl.resume(c.ptr)
 
-    def mem_stat(self, c: _Comm, stat: int) -> int:
+    def mem_stat(self, c: Comm, stat: int) -> int:
         if self.api == "torch":
             ok, got = self._torch_call("memory_stats", c)
             if ok:

@@ -38,7 +38,7 @@ from .._results import Result
 from .._units import MiB
 from . import _nccl
 from . import _rebuild as _comm_rebuild
-from ._driver import _Driver
+from ._driver import Driver
 
 __all__ = [
     "CommFallbackWarning",
@@ -171,7 +171,7 @@ class _Registry:
 
     def get_driver(self) -> Any:
         if self.driver is None:
-            self.driver = _Driver()
+            self.driver = Driver()
         return self.driver
 
     def now(self, pg: Any) -> Any:

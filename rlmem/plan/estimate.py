@@ -28,7 +28,7 @@ from typing import Any
 from .._results import Result
 from .._units import GiB
 from .shapes import (
-    _IN_FLIGHT_LAYERS,
+    IN_FLIGHT_LAYERS,
     NCCL_GROUP_BYTES,
     NCCL_WORLD_BYTES,
     ModelShape,
@@ -100,7 +100,7 @@ def _phase_points(
     ck_in_off = ck_in if (o.offload_modules and ck_in >= o.min_offload_bytes) else 0
     kept = [ck_in - ck_in_off if c else layer_full - off_tok * T for c in ck]
     off = [ck_in_off if c else off_tok * T for c in ck]
-    in_flight = max(off, default=0) * min(_IN_FLIGHT_LAYERS, L)
+    in_flight = max(off, default=0) * min(IN_FLIGHT_LAYERS, L)
     rope = 2 * shape.head_dim * b * T + 8 * T  # cos, sin (shared by the layers), position ids
     head_in = (4 * h + 4 + b * h) * T + b * h * Tl  # final norm, lm_head input
     fwd_head = (b * V + (4 * V if b != 4 else 0) + 4 * V) * Tl  # logits, fp32 copy, log-softmax out

@@ -30,7 +30,7 @@ ENGINES = ("shared", "separate")
 _DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # rlmem.activations releases a layer's device copies two layers later (RELEASE_LAG) and prefetches one
 # layer ahead in backward: about two layers' offloaded bytes stay on the device either way.
-_IN_FLIGHT_LAYERS = 2
+IN_FLIGHT_LAYERS = 2
 # Rough NCCL figures measured on the lent H200s (docs/design.md): the first (world) communicator, then each
 # more.
 NCCL_WORLD_BYTES = 860 << 20

@@ -1,0 +1,116 @@
+"""The shape of the package: its import graph has no cycle (imports under ``TYPE_CHECKING`` count too), no
+module imports another module's private names, and ``rlmem report`` does not load the training loop."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import rlmem
+
+ROOT = Path(rlmem.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def _imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """Each module's rlmem imports (every ``import`` statement in the file, wherever it stands), and the
+    (importer, module, name) of each private name imported from another module."""
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    private: list[tuple[str, str, str]] = []
+    for m, f in mods.items():
+        package = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                edges[m].update(a.name for a in node.names if a.name in mods)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if not target.startswith("rlmem"):
+                    continue
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    if sub in mods:
+                        edges[m].add(sub)
+                        continue
+                    edges[m].add(target)
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        private.append((m, target, a.name))
+    return edges, private
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_has_no_cycle():
+    edges, _ = _imports(_modules())
+    assert _cycles(edges) == []
+
+
+def test_a_package_imported_by_its_own_modules_would_count_as_a_cycle():
+    # The checker itself: a circle closed through a TYPE_CHECKING import is found.
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(edges) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_another_modules_private_names():
+    _, private = _imports(_modules())
+    assert private == []
+
+
+def test_rlmem_report_does_not_import_the_training_loop(tmp_path):
+    code = (
+        "import sys\n"
+        "from rlmem.cli import main\n"
+        f"main(['report', {str(tmp_path)!r}])\n"
+        "loaded = [m for m in ('rlmem.recipes.grpo', 'rlmem.recipes.policy', 'rlmem.integrations.hf') "
+        "if m in sys.modules]\n"
+        "print('LOADED', loaded)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "LOADED []" in out.stdout, out.stdout + out.stderr
+    assert "has no timeline.jsonl" in out.stderr
