@@ -26,9 +26,11 @@ Mechanics (why each is there):
   version check), and CUDA graph capture is refused.
 - On a CPU-only machine the same path runs with host-to-host copies, so the hooks are tested for real.
 
-Why one module of ~600 lines: the pack and unpack hooks, the in-flight queue and the release order share
-one step's state; the scopes (``_scopes``), the saved-tensor records (``_saved``), the copies per backend
-(``_transfer``), the host pool (``_pool``) and the budget planner (``_budget``) are their own modules.
+What this module owns: one step's state, which the pack and unpack hooks, the in-flight queue and the
+release order share. The scopes' hooks (``_scopes``, called through its ``Host`` protocol), the
+saved-tensor records (``_saved``), the copies per backend (``_transfer``), the host pool (``_pool``), the
+budget planner (``_budget``) and the budget mode's per-step loop (``_autoplan``, which reads a step's
+``StepTimes``) are their own modules, none of which imports this one.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ copy fails with ``invalid argument``; on the host backend they read as zeros. Ch
 :meth:`Region.host_view` gives the kept bytes of a paused Region as a tensor over its host backup.
 :class:`rlmem.TrainState` re-points the model's and optimizer's own references there while they are offloaded.
 
-Why one module of ~800 lines: the chunk state machine (mapped, saved, empty), the backup, the lock and
-the operation in flight are one mechanism; every method reads and changes all of them under one lock,
-and splitting it would spread that invariant across files. The physical work is in the backends.
+What this module owns: the chunk state machine (mapped, saved, empty), the backup, the lock and the
+operation in flight, as one mechanism: every method reads and changes all of them under one lock, and
+splitting it would spread that invariant across files. The physical work is in the backends.
 """
 
 from __future__ import annotations
