@@ -104,6 +104,8 @@ fi
 if [[ $what == all || $what == bench || $what == bench-megatron ]]; then
   extra=()
   [[ $what == bench-megatron ]] && extra=("$@")
+  # parts measured in earlier calls are kept (run_.previous() reads the file it will write)
+  [[ -f bench/results/megatron-$name.json ]] && cp "bench/results/megatron-$name.json" "$OUT/"
   python3 -m rlmem bench megatron --machine "$name" --json "$OUT/megatron-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_megatron.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
