@@ -291,10 +291,12 @@ def test_loggers_send_the_step_scalars(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: Run()))
     lg = Loggers(["tensorboard", "wandb"], tmp_path, {"lr": 1.0}, resume=False)
+    lg.log_eval(0, 0.125)
     lg.log({"step": 0, "reward": 0.5, "loss": 1.0, "eval/reward": 0.25, "kv_batch": 8})
     lg.close()
-    assert ("tb", "train/reward", 0.5, 1) in calls and ("tb", "eval/reward", 0.25, 1) in calls
-    assert ("wandb", {"reward": 0.5, "loss": 1.0, "eval/reward": 0.25}, 1) in calls
+    assert ("tb", "train/reward", 0.5, 1) in calls and ("tb", "eval/reward", 0.125, 0) in calls
+    assert ("wandb", {"reward": 0.5, "loss": 1.0}, 1) in calls
+    assert ("wandb", {"eval/reward": 0.125}, 0) in calls
     assert ("tb_close",) in calls and ("wandb_finish",) in calls
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ValueError, match="pip install wandb"):

@@ -49,8 +49,13 @@ class GRPOConfig:
         save_every: write ``out_dir/checkpoint-STEP/`` every this many steps and at the end; None: at the
             end only; 0: never.
         resume: ``"auto"`` (the latest checkpoint in ``out_dir``, if any) or a checkpoint directory.
-        eval_data: a data set like ``data`` scored every ``eval_every`` steps with greedy decoding and the
-            same reward (logged as ``eval/reward``); eval_every: 0 never.
+        eval_data: a data set like ``data`` (``arithmetic``: the built-in task's held-out split) scored with
+            greedy decoding and the same reward (``eval/reward``): before the first update
+            (``eval_before_train``), after every ``eval_every`` updates, and after the last one; each eval
+            is a line of the step log and of ``log.jsonl`` (``eval_step``: the updates made before it).
+            eval_every: 0 only the one before training.
+        eval_before_train: evaluate the model as given before the first update (with ``eval_data``), so every
+            curve starts at the model's own baseline.
         logger: ``"tensorboard"``, ``"wandb"`` or both comma-separated, besides ``log.jsonl``; None: none.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         seed: seeds the model init, the prompts and the sampler.
@@ -106,6 +111,7 @@ class GRPOConfig:
     resume: str | None = None
     eval_data: str | None = None
     eval_every: int = 0
+    eval_before_train: bool = True
     logger: str | None = None
     device: str = "auto"
     seed: int = 0
@@ -179,7 +185,8 @@ class GRPOConfig:
             not self.dynamic_batching or mt is not None,
             "set (an int >= 1) when dynamic_batching is true",
         )
-        for f in ("gradient_checkpointing", "progress", "plot", "dynamic_batching", "overlap_offload"):
+        flags = ("gradient_checkpointing", "progress", "plot", "dynamic_batching", "overlap_offload")
+        for f in (*flags, "eval_before_train"):
             need(f, isinstance(getattr(self, f), bool), "true or false")
         need("out_dir", isinstance(self.out_dir, str) and bool(self.out_dir), "a path")
         need("eval_every", is_int(self.eval_every) and self.eval_every >= 0, "an int >= 0 (0: never)")

@@ -3,7 +3,8 @@
 A data set is a local JSONL, JSON, CSV or Parquet file, or a directory of files of one of those kinds, read
 with the ``datasets`` library's local loaders (no download). Each row has a prompt (``prompt_key``: a string,
 or a list of chat messages ``{"role": ..., "content": ...}``) and an answer (``answer_key``) the reward
-compares the completion with. Prompts are tokenized once, through the model's chat template when it has
+compares the completion with, as text whatever type the file gives it (a CSV column of numbers reaches
+the reward as ``"72"``, not ``72``). Prompts are tokenized once, through the model's chat template when it has
 one; prompts longer than ``max_prompt_len`` tokens are dropped and counted, never cut. Rows are shuffled by
 ``seed``, again each epoch, and read in order; the position is part of a checkpoint, so a resumed run sees
 the rows an uninterrupted one would.
@@ -11,12 +12,13 @@ the rows an uninterrupted one would.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXTENSIONS", "Example", "PromptData", "TextTokenizer", "load_tokenizer"]
+__all__ = ["EXTENSIONS", "Example", "PromptData", "TextTokenizer", "as_text", "load_tokenizer"]
 
 # file suffix -> the datasets builder that reads it
 EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -93,11 +95,19 @@ class TextTokenizer:
 
 
 def load_tokenizer(path: str, *, chat_template: str = "auto") -> TextTokenizer:
-    """The tokenizer saved in directory ``path`` (``AutoTokenizer``), left padding for rollout.
+    """The tokenizer saved in directory ``path`` (``AutoTokenizer``), or the one in the GGUF file ``path``
+    names (see ``gguf.find``), left padding for rollout.
 
     Raises:
         ValueError: ``path`` is not a directory or holds no tokenizer (one line, naming the path).
     """
+    from . import gguf
+
+    found = gguf.find(path)
+    if found is not None:
+        tok = gguf.load_tokenizer(found)
+        tok.padding_side = "left"
+        return TextTokenizer(tok, chat_template=chat_template, name=f"the tokenizer in {str(found)!r}")
     p = Path(path)
     if not p.is_dir():
         raise ValueError(
@@ -136,6 +146,34 @@ def _files(path: str) -> tuple[str, list[str]]:
     raise ValueError(f"data: {str(p)!r} does not exist")
 
 
+def _read(path: str) -> tuple[list[str], Any]:
+    """The columns and rows of the data set at ``path``, through ``datasets``' local loaders."""
+    kind, files = _files(path)
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(kind, data_files=files, split="train")
+    except Exception as e:  # the loaders' own errors name the file but run to many lines
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"data: could not read {path!r} as {kind}: {first}") from e
+    return list(ds.column_names), ds
+
+
+def as_text(answer: Any) -> str:
+    """An answer as a reward function receives it: strings as they are, whole numbers without a decimal
+    point (``72``, ``72.0`` -> ``"72"``), other numbers as Python prints them, anything else as JSON."""
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, bool):
+        return str(answer)
+    if isinstance(answer, int) or (isinstance(answer, float) and answer.is_integer()):
+        return str(int(answer))
+    if isinstance(answer, float):
+        return repr(answer)
+    return json.dumps(answer, ensure_ascii=False, default=str)
+
+
 def _check_prompt(prompt: Any, row: int, key: str, where: str) -> None:
     if isinstance(prompt, str) and prompt:
         return
@@ -163,6 +201,7 @@ class PromptData:
         prompt_key, answer_key: the columns; ``answer_key`` may be ``""`` for rewards that need no answer.
         max_prompt_len: prompts longer than this many tokens are dropped (counted in :attr:`dropped`).
         seed: the shuffle's seed (each epoch reshuffles with ``seed`` and the epoch number).
+        rows: the rows themselves (a built-in task's), instead of reading ``path``, which names them.
 
     Raises:
         ValueError: a missing file or key, a malformed row, or no prompt short enough; one line naming it.
@@ -177,22 +216,14 @@ class PromptData:
         answer_key: str = "answer",
         max_prompt_len: int = 512,
         seed: int = 0,
+        rows: list[dict[str, Any]] | None = None,
     ) -> None:
-        kind, files = _files(path)
-        import datasets
-
-        datasets.disable_progress_bars()
-        try:
-            ds = datasets.load_dataset(kind, data_files=files, split="train")
-        except Exception as e:  # the loaders' own errors name the file but run to many lines
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"data: could not read {path!r} as {kind}: {first}") from e
+        columns, ds = (list(rows[0]) if rows else [], rows) if rows is not None else _read(path)
         where = repr(path)
         for key, what in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
-            if key and key not in ds.column_names:
+            if key and key not in columns:
                 raise ValueError(
-                    f"data: {where} has no column {key!r} ({what}); "
-                    f"its columns are {', '.join(ds.column_names)}"
+                    f"data: {where} has no column {key!r} ({what}); its columns are {', '.join(columns)}"
                 )
         self.path = path
         self.examples: list[Example] = []
@@ -204,6 +235,7 @@ class PromptData:
             answer = rec[answer_key] if answer_key else None
             if answer_key and answer is None:
                 raise ValueError(f"data: row {row} of {where} has no {answer_key!r} (answer_key)")
+            answer = None if answer is None else as_text(answer)
             ids = tokenizer.encode_prompt(prompt)
             if len(ids) > max_prompt_len:
                 self.dropped += 1

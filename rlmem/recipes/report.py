@@ -16,7 +16,7 @@ from .._units import GiB, MiB
 from ..monitor.timeline import MemoryTimeline
 from .config import GRPOConfig
 
-__all__ = ["banner", "comm_figures", "max_used", "report", "step_line", "summarize", "title"]
+__all__ = ["banner", "comm_figures", "eval_line", "max_used", "report", "step_line", "summarize", "title"]
 
 
 def _gib(v: Any, digits: int = 2) -> str:
@@ -71,6 +71,12 @@ def banner(
     )
 
 
+def eval_line(r: dict[str, Any], steps: int) -> str:
+    """One line per evaluation: the updates made before it and the mean reward of the held-out prompts."""
+    done = f"{r['eval_step']:>{len(str(steps))}}/{steps}"
+    return f"eval after {done} updates | eval reward {r['eval/reward']:.3f}"
+
+
 def title(cfg: GRPOConfig, offload: bool, device: torch.device) -> str:
     return f"rlmem GRPO: {cfg.model} on {device.type}, offload {'on' if offload else 'off'}"
 
@@ -84,6 +90,7 @@ def summarize(
     world: int,
     device: torch.device,
     wall_s: float,
+    evals: list[dict[str, Any]] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     def mean(key: str, rows: list[dict[str, Any]]) -> float:
         return sum(r[key] for r in rows) / max(len(rows), 1)
@@ -113,6 +120,7 @@ def summarize(
         "steps_s": sum(r["step_s"] for r in hist),
         "phases": {k: v.as_dict() for k, v in tl.summary().items()},
         "leaks": [f.as_dict() for f in tl.leaks()],
+        "evals": [[r["eval_step"], r["eval/reward"]] for r in evals],  # (updates made, eval reward)
     }
 
 
@@ -129,6 +137,11 @@ def report(run_dir: str | os.PathLike[str], *, echo: Any = print, plot: bool = T
     echo(tl.report())
     if (d / "log.jsonl").is_file():
         rows = [json.loads(line) for line in (d / "log.jsonl").read_text().splitlines() if line.strip()]
+        evals = [r for r in rows if "eval_step" in r]
+        rows = [r for r in rows if "reward" in r]  # the steps (evals are rows of their own)
+        if evals:
+            curve = ", ".join(f"{r['eval_step']}: {r['eval/reward']:.3f}" for r in evals)
+            echo(f"eval reward by updates made: {curve}")
         if rows:
             k = min(5, len(rows))
             first = sum(r["reward"] for r in rows[:k]) / k

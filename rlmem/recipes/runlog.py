@@ -17,7 +17,7 @@ import torch
 from ..monitor.timeline import MemoryTimeline
 from .config import GRPOConfig
 from .loggers import Loggers, Progress, parse_loggers
-from .report import comm_figures, max_used, step_line, summarize, title
+from .report import comm_figures, eval_line, max_used, step_line, summarize, title
 from .runtime import Runtime
 from .yaml_config import dump
 
@@ -59,7 +59,8 @@ class RunLog:
         self.cfg, self.rt, self.say = cfg, rt, say
         self.out = Path(cfg.out_dir)
         self.t0 = t0
-        self.history: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = []  # a record per step
+        self.evals: list[dict[str, Any]] = []  # a row per evaluation
         self._file = None
         self.loggers: Loggers | None = None
         if rt.lead:
@@ -68,11 +69,14 @@ class RunLog:
             # Only the lead reads the earlier log: it rewrites that file below, and another rank reading it
             # meanwhile could see it empty. Decisions every rank must agree on count steps, not log rows.
             log = self.out / "log.jsonl"
+            kept: list[dict[str, Any]] = []
             if start and log.is_file():
                 rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-                self.history = [r for r in rows if r["step"] < start]
+                kept = [r for r in rows if r.get("step", r.get("eval_step", start)) < start]
+                self.history = [r for r in kept if "step" in r]
+                self.evals = [r for r in kept if "eval_step" in r]
             self._file = log.open("w")
-            for r in self.history:  # what the resumed run had logged, without the steps it will repeat
+            for r in kept:  # what the resumed run had logged, without the steps it will repeat
                 self._file.write(json.dumps(r) + "\n")
             names = parse_loggers(cfg.logger)
             self.loggers = Loggers(names, self.out, dataclasses.asdict(cfg), resume=bool(start))
@@ -113,14 +117,36 @@ class RunLog:
     def step(self, rec: dict[str, Any]) -> None:
         """Keep, write and show one step's record."""
         self.history.append(rec)
-        if self._file is not None:
-            self._file.write(json.dumps(rec) + "\n")
-            self._file.flush()
+        self._write(rec)
         self.bar.clear()
         self.say(step_line(rec, self.cfg.steps))
         self.bar.update(rec["reward"])
         if self.loggers is not None:
             self.loggers.log(rec)
+
+    def eval(self, updates: int, reward: float | None) -> None:
+        """Keep, write and show an evaluation made after ``updates`` updates (nothing for None: no
+        held-out prompts)."""
+        if reward is None:
+            return
+        row = {"eval_step": updates, "eval/reward": reward}
+        self.evals.append(row)
+        self._write(row)
+        self.bar.clear()
+        self.say(eval_line(row, self.cfg.steps))
+        if self.loggers is not None:
+            self.loggers.log_eval(updates, reward)
+
+    def _write(self, row: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def close(self) -> None:
         self.bar.close()
@@ -133,7 +159,9 @@ class RunLog:
         """The run's summary (written with the timeline, on the lead), the memory table, plot and reward."""
         cfg, rt, out, say = self.cfg, self.rt, self.out, self.say
         wall = time.perf_counter() - self.t0
-        summary = summarize(cfg, self.history, tl, offload, rt.precision, rt.world, rt.device, wall)
+        summary = summarize(
+            cfg, self.history, tl, offload, rt.precision, rt.world, rt.device, wall, self.evals
+        )
         if not rt.lead:
             return summary
         tl.save(out / "timeline.jsonl")

@@ -149,6 +149,7 @@ class TrainState:
         self._closed = False
         self._kit = Adopted(name, self.paused)
         params = list(root.parameters())
+        self._param_ids = {id(p) for p in params}
         self._sources = [s(self._kit, root, params, self._opts, optimizer) for s in SOURCES]
         self._check_params(params)
         rest = params
@@ -245,13 +246,18 @@ class TrainState:
                 )
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if self.paused("params"):
+        if self.paused("params") and self._own_weights(module):
             raise RuntimeError(
                 f"rlmem TrainState {self.name!r}: the model was called while its parameters are offloaded "
                 f"(params={self._policy['params']!r}); call reload() first, or offload with params='keep' "
                 "if the rollout runs on the training model"
             )
-        if self.paused("grads") and torch.is_grad_enabled() and self._autograd_grads:
+        if (
+            self.paused("grads")
+            and torch.is_grad_enabled()
+            and self._autograd_grads
+            and self._own_weights(module)
+        ):
             raise RuntimeError(
                 f"rlmem TrainState {self.name!r}: the model was called with autograd on while its gradients "
                 "are offloaded; run the rollout under torch.no_grad() / torch.inference_mode(), or reload() "
@@ -262,6 +268,12 @@ class TrainState:
                 f"rlmem TrainState {self.name!r}: the model was called while its buffers are offloaded; "
                 "call reload() first, or offload with buffers='keep'"
             )
+
+    def _own_weights(self, module: nn.Module) -> bool:
+        """Whether ``module`` runs on its own parameters now. A module called over other weights
+        (``torch.func.functional_call`` over a rollout copy, as HFSampler does) reads none of the training
+        state, so only a module holding its own is refused."""
+        return any(id(t) in self._param_ids for t in module._parameters.values())
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for cat in ("params", "grads", "optimizer"):
@@ -335,7 +347,8 @@ class TrainState:
         training resumes from, and writes made meanwhile are what ``reload()`` brings back. On a GPU these
         are tensors of the same device over the pinned backup mapped into its address space (a kernel reads
         them over the link, at PCIe speed); on the host backend, CPU tensors over the backup. Calling the
-        model or ``optimizer.step()`` meanwhile is refused with a clear error.
+        model or ``optimizer.step()`` meanwhile is refused with a clear error (a call of the model's modules
+        over other weights, ``torch.func.functional_call`` over a rollout copy, is not refused).
 
         Args:
             params, grads, optimizer, buffers: the policy of each category. Discarded parameters and
