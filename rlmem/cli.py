@@ -19,6 +19,7 @@ _BENCHES = (
     "megatron",
     "rollout",
     "numa",
+    "real_model",
 )
 
 

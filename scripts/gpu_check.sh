@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -108,6 +108,14 @@ if [[ $what == all || $what == bench || $what == bench-megatron ]]; then
   [[ -f bench/results/megatron-$name.json ]] && cp "bench/results/megatron-$name.json" "$OUT/"
   python3 -m rlmem bench megatron --machine "$name" --json "$OUT/megatron-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_megatron.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == bench-real ]]; then
+  # SmolLM2-135M-Instruct learning arithmetic (the GGUF file carried in parts and joined in /tmp, see README):
+  # args go to rlmem bench real_model, e.g. --model /tmp/smollm2.gguf --parts offload, then --parts nooffload --merge
+  [[ -f bench/results/real_model-$name.json ]] && cp "bench/results/real_model-$name.json" "$OUT/"
+  python3 -m rlmem bench real_model --machine "$name" --json "$OUT/real_model-$name.json" "$@" \
+    2>&1 | tee "$OUT/bench_real_model.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == all || $what == bench || $what == bench-numa ]]; then

@@ -91,3 +91,28 @@ def test_grpo_colocated_summary_says_what_the_overlap_leaves_exposed():
     s = grpo_colocated.summarize({"big-offload": part(1.0, 20.0), "big-overlap": part(0.25, 20.5)})
     assert s["overlap_exposed_s"] == pytest.approx(0.75) and s["overlap_saved_s"] == pytest.approx(0.25)
     assert s["switch_share_of_step_overlap"] == pytest.approx(0.005)
+
+
+def test_real_model_summary_reads_the_eval_curve_and_compares_the_two_runs():
+    from rlmem.benchmarks import real_model
+
+    def part(rewards, losses, evals):
+        steps = [{"step": i, "reward": r, "step_s": 2.0, "switch_s": 0.05} for i, r in enumerate(rewards)]
+        rows = [{"eval_step": k, "eval/reward": v} for k, v in evals]
+        return {
+            "steps": steps,
+            "evals": rows,
+            "rewards": rewards,
+            "losses": losses,
+            "checkpoint_loads_plain": True,
+        }
+
+    on = part([0.1, 0.3], [0.5, 0.25], [(0, 0.3), (1, 0.4), (2, 0.6)])
+    s = real_model.summarize(
+        {"offload": on, "nooffload": part([0.1, 0.3], [0.5, 0.25], [(0, 0.3), (2, 0.6)])}
+    )
+    assert s["eval_reward_before"] == 0.3 and s["eval_reward_after"] == 0.6
+    assert s["eval_gain"] == pytest.approx(0.3) and s["switch_share_of_step"] == pytest.approx(0.025)
+    assert s["offload_identical"] is True and s["checkpoint_loads_plain"] is True and s["step_s"] == 2.0
+    off = part([0.1, 0.3], [0.5, 0.2500001], [(0, 0.3), (2, 0.6)])
+    assert real_model.summarize({"offload": on, "nooffload": off})["offload_identical"] is False

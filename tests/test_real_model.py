@@ -220,7 +220,7 @@ def test_answers_reach_the_reward_as_text_whatever_the_file_gives(tmp_path):
     ]
 
 
-def test_offloaded_weights_with_a_rollout_copy_sample_the_same_tokens(device="cpu"):
+def test_offloaded_weights_with_a_rollout_copy_sample_the_same_tokens(device):
     kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, rollout_dtype=torch.bfloat16)
     got = {}
     for params in ("keep", "offload"):
@@ -239,6 +239,8 @@ def test_offloaded_weights_with_a_rollout_copy_sample_the_same_tokens(device="cp
                     RuntimeError, match="the model was called while its parameters are offloaded"
                 ):
                     model(torch.tensor([PROMPTS[0]]))
+            resident = pm.state.stats().categories["params"].resident_bytes
+            assert (resident == 0) == (params == "offload")  # only the copy stays on the device
         with pm.train():
             assert not pm.state.paused("params")
     assert got["offload"] == got["keep"]
