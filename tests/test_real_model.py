@@ -22,7 +22,6 @@ import rlmem
 from rlmem.cli import main as cli_main
 from rlmem.integrations.hf import HFSampler
 from rlmem.recipes import arithmetic, gguf
-from rlmem.recipes.data import as_text
 
 SMALL = [
     "device=cpu",
@@ -177,47 +176,6 @@ def test_a_save_that_fails_mid_run_falls_back_to_torch_save_and_exits_non_zero(t
     state = torch.load(fb / "trainer_state.pt", weights_only=False)
     assert "model.embed_tokens.weight" in weights and state["step"] == 1 and state["optimizer"]["state"]
     assert [r["step"] for r in _rows(out)] == [0]  # the run stopped at the failed save
-
-
-def test_answers_reach_the_reward_as_text_whatever_the_file_gives(tmp_path):
-    from test_train_data import _tokenizer
-
-    model_dir = tmp_path / "m"
-    model_dir.mkdir()
-    tok = _tokenizer(model_dir)
-    torch.manual_seed(0)
-    import transformers
-
-    cfg = transformers.Qwen2Config(
-        hidden_size=32,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=len(tok),
-        max_position_embeddings=64,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(str(model_dir))
-    data = tmp_path / "nums.csv"
-    data.write_text("prompt,answer\n" + "".join(f"What is {a}+{a}?,{2 * a}\n" for a in range(8)))
-    reward = tmp_path / "r.py"
-    reward.write_text(
-        "def reward(prompt, completion, answer):\n"
-        "    assert isinstance(answer, str), type(answer)\n"
-        "    return float(answer in completion)\n"
-    )
-    args = ["train", f"model={model_dir}", f"data={data}", f"reward={reward}:reward", "max_new_tokens=4"]
-    assert cli_main([*args, "steps=1", "save_every=0", f"out_dir={tmp_path / 'o'}", *SMALL]) == 0
-    assert [as_text(v) for v in (72, 72.0, 2.5, "x", True, [1, 2])] == [
-        "72",
-        "72",
-        "2.5",
-        "x",
-        "True",
-        "[1, 2]",
-    ]
 
 
 def test_offloaded_weights_with_a_rollout_copy_sample_the_same_tokens(device):

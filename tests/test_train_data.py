@@ -340,3 +340,19 @@ def test_the_data_path_learns_a_toy_task(model_dir, tmp_path):
     assert cli_main(args) == 0
     s = _summary(out)
     assert s["reward_first5"] < 0.3 and s["reward_last5"] > s["reward_first5"] + 0.3, s["rewards"]
+
+
+def test_answers_reach_the_reward_as_text_whatever_the_file_gives(model_dir, tmp_path):
+    from rlmem.recipes.data import as_text
+
+    data = tmp_path / "nums.csv"  # datasets reads this answer column as integers
+    data.write_text("prompt,answer\n" + "".join(f"What is {a}+{a}?,{2 * a}\n" for a in range(8)))
+    reward = tmp_path / "r.py"
+    reward.write_text(
+        "def reward(prompt, completion, answer):\n"
+        "    assert isinstance(answer, str), type(answer)\n"
+        "    return float(answer in completion)\n"
+    )
+    assert _train(model_dir, data, tmp_path / "o", f"reward={reward}:reward", "steps=1", "save_every=0") == 0
+    texts = [as_text(v) for v in (72, 72.0, 2.5, "x", True, [1, 2])]
+    assert texts == ["72", "72", "2.5", "x", "True", "[1, 2]"]

@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -96,6 +98,20 @@ def warm_steps(handle: Any, done: int, warm: int, cap: int = 128) -> int:
     if done == warm and not getattr(handle, "settled", True) and warm < cap:
         return warm + 1
     return warm
+
+
+def spawn_part(
+    module: str, part: str, argv: list[str], *, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``python -m module --part part *argv`` in a process of its own (a fresh CUDA context) and return
+    the JSON object its last ``{`` line prints; ``{"error": ...}`` with its stderr's end if there is none."""
+    cmd = [sys.executable, "-m", module, "--part", part, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    sys.stderr.write(proc.stderr[-4000:])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+    return json.loads(lines[-1])
 
 
 def median(xs: Sequence[float]) -> float:

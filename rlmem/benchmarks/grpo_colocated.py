@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,9 +34,7 @@ import torch
 
 from .. import __version__
 from .._units import GiB as _GiB
-from ._common import (
-    format_table,
-)
+from ._common import format_table, spawn_part
 from ._harness import Run
 
 NAME = "grpo_colocated"
@@ -104,16 +100,6 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
         "phases": s["phases"],
         "precision": s["precision"],
     }
-
-
-def _spawn(args: argparse.Namespace, part: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "rlmem.benchmarks.grpo_colocated", "--part", part, *args.forward]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    sys.stderr.write(proc.stderr[-4000:])
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
-    return json.loads(lines[-1])
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args.forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--merge"]
     res: dict[str, Any] = run_.previous() if args.merge else {}
     for part in parts:
-        res[part] = _spawn(args, part)
+        res[part] = spawn_part("rlmem.benchmarks.grpo_colocated", part, args.forward)
         # Parts merged from earlier calls keep their own stamp: a summary across parts of different dates
         # compares different versions of the rollout.
         res[part]["measured"] = {"date": time.strftime("%Y-%m-%d"), "rlmem": __version__}

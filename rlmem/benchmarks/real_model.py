@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._common import format_table
+from ._common import format_table, spawn_part
 from ._harness import Run
 
 NAME = "real_model"
@@ -92,18 +91,6 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
     }
 
 
-def _spawn(args: argparse.Namespace, part: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "rlmem.benchmarks.real_model", "--part", part, *args.forward]
-    # cuBLAS picks deterministic reductions only with a fixed workspace, set before CUDA starts.
-    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    sys.stderr.write(proc.stderr[-6000:])
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
-    return json.loads(lines[-1])
-
-
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     s: dict[str, Any] = {}
     on, off = res.get("offload", {}), res.get("nooffload", {})
@@ -156,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     args.forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--merge"]
     res: dict[str, Any] = run_.previous() if args.merge else {}
     for part in parts:  # a part takes minutes: the two can be measured in separate calls and merged
-        res[part] = _spawn(args, part)
+        # cuBLAS picks deterministic reductions only with a fixed workspace, set before CUDA starts.
+        env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        res[part] = spawn_part("rlmem.benchmarks.real_model", part, args.forward, env=env)
     failed = {k: v["error"] for k, v in res.items() if "error" in v}
     for k, v in failed.items():
         print(f"{k} failed:\n{v}", file=sys.stderr)

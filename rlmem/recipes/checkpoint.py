@@ -144,7 +144,7 @@ def _fall_back(
     out: Path, step: int, model_sd: dict[str, Any], trainer: dict[str, Any], error: BaseException
 ) -> CheckpointError:
     """Write what can be written without the model's serialiser; the error to raise, naming it."""
-    why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    why = _first_line(error)
     where = out / f"fallback-{step}"
     try:
         where.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def _fall_back(
     except Exception as e2:
         return CheckpointError(
             f"checkpoint-{step} could not be written ({why}), and neither could the fallback in {where} "
-            f"({str(e2).strip().splitlines()[0] if str(e2).strip() else type(e2).__name__})",
+            f"({_first_line(e2)})",
             None,
         )
     return CheckpointError(
@@ -162,6 +162,10 @@ def _fall_back(
         "the run's)",
         where,
     )
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -258,7 +262,7 @@ def _dry_save(
                 try:
                     step(Path(d))
                 except Exception as e:
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    first = _first_line(e)
                     return f"{what} fails: {first}"
     except OSError as e:
         return f"cannot write in {str(base)!r}: {e}"

@@ -2,8 +2,14 @@
 into a Region view and its holder rebound to it (``p.data``, ``p.grad``, ``module._buffers[name]``,
 ``optimizer.state[p][k]``). The last source: it adopts whatever the stacks before it left.
 
-Gradients follow PyTorch's conventions (see ``state.py``): a gradient that exists *is* the Region view; one
-that backward makes after ``zero_grad()`` is copied into the view by a post-accumulate hook.
+Gradients follow PyTorch's own conventions, so training is bit-for-bit what it would be without rlmem:
+
+* A gradient that exists (``zero_grad(set_to_none=False)``, gradient accumulation) *is* the Region view;
+  autograd accumulates into it in place and ``clip_grad_norm_`` scales it in place.
+* ``zero_grad()`` (``set_to_none=True``, the default) leaves ``p.grad`` None, as usual. When backward next
+  produces a gradient, a post-accumulate hook copies it into the Region view and rebinds ``p.grad`` to it
+  (one device copy per parameter, the freshly made tensor goes back to the caching allocator). Users who
+  want no copy at all call ``zero_grad(set_to_none=False)``.
 """
 
 from __future__ import annotations

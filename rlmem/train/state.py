@@ -5,15 +5,8 @@ Adoption moves each tensor into a :class:`rlmem.Region` of its category (``param
 ``p.grad``, ``optimizer.state[p][k]``, ``module._buffers[name]``). The user's references (the Parameter
 objects, the optimizer, the model) keep working, and every address stays fixed across offload and reload.
 
-Gradients follow PyTorch's own conventions, so training is bit-for-bit what it would be without rlmem:
-
-* A gradient that exists (``zero_grad(set_to_none=False)``, gradient accumulation) *is* the Region view;
-  autograd accumulates into it in place and ``clip_grad_norm_`` scales it in place.
-* ``zero_grad()`` (``set_to_none=True``, the default) leaves ``p.grad`` None, as usual. When backward next
-  produces a gradient, a post-accumulate hook copies it into the Region view and rebinds ``p.grad`` to it
-  (one device copy per parameter, the freshly made tensor goes back to the caching allocator). Users who
-  want no copy at all call ``zero_grad(set_to_none=False)``.
-* Offloading gradients with ``"discard"`` sets ``p.grad`` to None, exactly like ``zero_grad()``.
+Gradients follow PyTorch's own conventions (``_plain.py`` says how), so training is bit-for-bit what it
+would be without rlmem; offloading them with ``"discard"`` sets ``p.grad`` to None, as ``zero_grad()`` does.
 
 Optimizer states that ``step()`` creates lazily are adopted after the step that creates them (and at every
 offload, which also catches states replaced by ``load_state_dict``). Host-side scalars of CUDA parameters
@@ -412,11 +405,9 @@ class TrainState:
     def check_policies(
         self, *, params: str = "keep", grads: str = "keep", optimizer: str = "keep", buffers: str = "keep"
     ) -> dict[str, str]:
-        """Validate an offload request for this model; returns the policies by category.
-
-        ``params="discard"`` is refused for FSDP2 (DTensor) parameters: their sharded storage, which FSDP
-        all-gathers from, can be re-pointed only at real memory of the same device (the backup), not at a
-        placeholder; offload them instead.
+        """Validate an offload request for this model; returns the policies by category. Each stack refuses
+        what it cannot carry out (``params="discard"`` for FSDP2's sharded storage or Megatron's buffers,
+        which cannot be placeholders; ``optimizer="discard"`` of Megatron's main parameters).
 
         Raises:
             ValueError: naming the category and what to use instead.
