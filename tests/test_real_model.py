@@ -74,6 +74,15 @@ def test_gguf_files_are_found_by_file_directory_or_package(gguf_file, tmp_path, 
         gguf.find("tiny_llm_pkg")
 
 
+def test_a_missing_gguf_package_is_one_line_naming_the_install(gguf_file, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
+    with pytest.raises(ValueError, match=r"needs the gguf package\(s\): pip install 'rlmem\[gguf\]'"):
+        gguf.load_model(gguf_file, torch.float32, torch.device("cpu"))
+
+
 def test_a_gguf_model_trains_on_arithmetic_evaluates_from_step_0_and_saves_plain(gguf_file, tmp_path):
     out = tmp_path / "o"
     args = ["train", f"model={gguf_file}", "data=arithmetic", "eval_data=arithmetic", "eval_every=1"]
