@@ -172,7 +172,7 @@ class CudaBackend:
     asynchronous = True
     pinned_backup = True
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, shareable: bool = False) -> None:
         d = driver()
         torch.cuda.init()
         self.index = index
@@ -183,6 +183,9 @@ class CudaBackend:
         prop = d.CUmemAllocationProp()
         prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location = loc
+        self._fd_type = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        if shareable:  # the handle type must be asked for when the memory is made, or it cannot be exported
+            prop.requestedHandleTypes = self._fd_type
         access = d.CUmemAccessDesc()
         access.location = loc
         access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
@@ -239,8 +242,33 @@ class CudaBackend:
                 raise
         self._handles[offset] = (handle, size)
 
+    def map_file(self, offset: int, size: int, fd: int) -> None:
+        """Map another process's chunk, exported as the POSIX file descriptor ``fd``, at ``offset`` (``fd``
+        may be closed after); undo on failure."""
+        with context(self.index):
+            handle = call("cuMemImportFromShareableHandle", fd, self._fd_type)
+            ptr = self._ptr + offset
+            try:
+                call("cuMemMap", ptr, size, 0, handle, 0)
+                try:
+                    call("cuMemSetAccess", ptr, size, self._access, 1)
+                except BaseException:
+                    call("cuMemUnmap", ptr, size)
+                    raise
+            except BaseException:
+                call("cuMemRelease", handle)
+                raise
+        self._handles[offset] = (handle, size)
+
+    def export_file(self, offset: int) -> int:
+        """A POSIX file descriptor of the chunk at ``offset`` for another process (the caller closes it)."""
+        handle, _ = self._handles[offset]
+        with context(self.index):
+            return int(call("cuMemExportToShareableHandle", handle, self._fd_type, 0))
+
     def unmap(self, offset: int) -> None:
-        """Unmap the chunk at ``offset`` and release its physical memory."""
+        """Unmap the chunk at ``offset`` and release this process's handle of its physical memory (freed
+        once every process that imported it has released it too)."""
         handle, size = self._handles.pop(offset)
         with context(self.index):
             call("cuMemUnmap", self._ptr + offset, size)

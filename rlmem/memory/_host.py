@@ -1,4 +1,5 @@
-"""Host backend of :class:`rlmem.Region`: the same semantics on an anonymous private mapping.
+"""Host backends of :class:`rlmem.Region`: the same semantics on an anonymous private mapping, and on
+chunks other processes can map (:class:`SharedHostBackend`).
 
 Releasing a chunk is ``madvise(MADV_DONTNEED)``: its pages go back to the OS (the process RSS drops) and
 read as zeros when touched again. Copies are synchronous memory copies, so CPU-only machines and CI run the
@@ -7,7 +8,10 @@ same pause/resume logic as a GPU, not a mock of it.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
+from typing import Any
 
 import torch
 
@@ -104,3 +108,80 @@ class HostBackend:
         if self._map is not None:
             self._map.close()
             self._map = None
+
+
+_libc: Any = None
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_FIXED = 0x10  # Linux; not exported by Python's mmap module
+
+
+def _mmap_at(addr: int, size: int, flags: int, fd: int) -> None:
+    """``mmap(addr, size, PROT_READ|PROT_WRITE, flags|MAP_FIXED, fd, 0)``: replace what is mapped there."""
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        _libc = lib
+    got = _libc.mmap(addr, size, _PROT_RW, flags | _MAP_FIXED, fd, 0)
+    if got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap at {addr:#x} ({size} bytes): {os.strerror(err)}")
+
+
+class SharedHostBackend(HostBackend):
+    """A host Region whose chunks another process can map: each chunk is a ``memfd`` mapped shared over its
+    part of the Region's range, so the pages live as long as some process maps them or holds the file.
+
+    Releasing a chunk puts private zero pages over its addresses (the range stays; paused tensors read
+    zeros, as on the plain host backend) and closes this process's file: the memory goes back to the OS once
+    every process that mapped it has done the same. A peer maps the files another process exported
+    (:meth:`map_file`) at addresses of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._files: dict[int, int | None] = {}  # offset -> this process's memfd (None: a peer's mapping)
+
+    def open(self, nbytes: int) -> None:
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._size = nbytes
+        self._base = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def map(self, offset: int, size: int) -> None:
+        fd = os.memfd_create(f"rlmem-region-{offset}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            _mmap_at(self.ptr + offset, size, mmap.MAP_SHARED, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._files[offset] = fd
+        self._mapped[offset] = size
+
+    def map_file(self, offset: int, size: int, fd: int) -> None:
+        """Map ``size`` bytes of the file ``fd`` (another process's chunk) at ``offset``; ``fd`` may be
+        closed after."""
+        _mmap_at(self.ptr + offset, size, mmap.MAP_SHARED, fd)
+        self._files[offset] = None
+        self._mapped[offset] = size
+
+    def export_file(self, offset: int) -> int:
+        """A new descriptor of the chunk at ``offset`` for another process (the caller closes it)."""
+        fd = self._files.get(offset)
+        if fd is None:
+            raise ValueError(f"the chunk at offset {offset} is not this process's to export")
+        return os.dup(fd)
+
+    def unmap(self, offset: int) -> None:
+        size = self._mapped.pop(offset)
+        _mmap_at(self.ptr + offset, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
+        fd = self._files.pop(offset, None)
+        if fd is not None:
+            os.close(fd)

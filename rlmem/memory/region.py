@@ -19,6 +19,7 @@ splitting it would spread that invariant across files. The physical work is in t
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import warnings
@@ -31,9 +32,10 @@ import torch
 from .._checks import check_flag
 from .._units import GiB, round_up
 from ..errors import CudaError, OutOfMemoryError, RegionClosedError
-from ._host import HostBackend
+from ._host import HostBackend, SharedHostBackend
 from ._pinned import HostBuffer
 from .backend import Backend
+from .sharing import SharedLayout
 
 __all__ = ["Handle", "Region", "RegionStats"]
 
@@ -77,12 +79,12 @@ def _resolve_device(device: Any) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _make_backend(dev: torch.device) -> Backend:
+def _make_backend(dev: torch.device, shareable: bool) -> Backend:
     if dev.type == "cpu":
-        return HostBackend()
+        return SharedHostBackend() if shareable else HostBackend()
     from ._cuda import CudaBackend
 
-    return CudaBackend(dev.index)
+    return CudaBackend(dev.index, shareable=shareable)
 
 
 def _default_chunk(capacity: int, granularity: int) -> int:
@@ -202,6 +204,8 @@ class Region:
             sixteenth of ``nbytes``, between 64 MiB and 2 GiB (driver calls cost per chunk). Memory is given
             back chunk by chunk as each chunk's copy completes.
         name: a label for errors, stats and reports.
+        shareable: make the memory exportable, so that another process can map it
+            (:meth:`export`, :meth:`attach`; see :mod:`rlmem.memory.sharing`).
 
     Raises:
         ValueError: an argument is out of range.
@@ -228,6 +232,19 @@ class Region:
         *,
         chunk_bytes: int | None = None,
         name: str = "",
+        shareable: bool = False,
+    ) -> None:
+        check_flag("shareable", shareable)
+        self._build(nbytes, device, chunk_bytes, name, shareable, None)
+
+    def _build(
+        self,
+        nbytes: int,
+        device: Any,
+        chunk_bytes: int | None,
+        name: str,
+        shareable: bool,
+        files: tuple[SharedLayout, list[int]] | None,
     ) -> None:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
@@ -241,7 +258,7 @@ class Region:
         self._lock = threading.RLock()
         self._closed = True  # until fully built, so a failed construction leaves nothing usable
         dev = _resolve_device(device)
-        backend = _make_backend(dev)
+        backend = _make_backend(dev, shareable)
         gran = backend.granularity
         capacity = round_up(nbytes, gran)
         chunk = round_up(chunk_bytes, gran) if chunk_bytes else _default_chunk(capacity, gran)
@@ -252,15 +269,21 @@ class Region:
         self._chunk = chunk
         self._chunks = [(off, min(chunk, capacity - off)) for off in range(0, capacity, chunk)]
         self._state = [_EMPTY] * len(self._chunks)
+        self._shareable = shareable
+        self._peer = files is not None
+        self._generation = 0 if files is None else files[0].generation
         backend.open(capacity)
         try:
-            self._map_chunks(range(len(self._chunks)), what="Region()")
+            if files is None:
+                self._map_chunks(range(len(self._chunks)), what="Region()")
+            else:
+                self._map_files(*files)
         except BaseException:
             backend.destroy()  # no tensor exists yet: the address range can go at once
             raise
         self._state = [_MAPPED] * len(self._chunks)
         self._ptr = backend.ptr
-        self._used = 0
+        self._used = 0 if files is None else files[0].used_bytes
         self._paused = False
         self._backup: HostBuffer | None = None
         self._views: dict[tuple, torch.Tensor] = {}  # host views of the backup, see _view_of_backup
@@ -407,6 +430,11 @@ class Region:
         """
         check_flag("keep", keep)
         check_flag("blocking", blocking)
+        if keep and self._peer:
+            raise ValueError(
+                f"keep=True: region {self.name!r} is attached to another process's memory, which that "
+                "process keeps or discards; a peer pauses with keep=False (unmapped, its addresses kept)"
+            )
         if on_queued is not None and not callable(on_queued):
             raise ValueError(f"on_queued must be callable or None, got {type(on_queued).__name__}")
         with self._lock:
@@ -637,6 +665,11 @@ class Region:
             self._settle()
             if not self._paused:
                 return Handle("resume", event=self._resume_done, device=self._device)
+            if self._peer:
+                raise RuntimeError(
+                    f"region {self.name!r} is attached to another process's memory: map the owner's memory "
+                    "again with reattach(layout, fds) from its export() after it resumed"
+                )
             t0 = time.perf_counter()
             if not blocking and not self._backend.asynchronous:
                 return self._start_op("resume", self._resume_work, t0, True)
@@ -665,6 +698,7 @@ class Region:
             self._state[i] = _MAPPED
         self._paused = False
         self._resumes += 1
+        self._generation += 1  # new physical memory: peers map it again from the next export()
         self._resume_done = done
         if blocking:
             backend.wait(done)
@@ -714,6 +748,138 @@ class Region:
                     device=str(self._device),
                 ) from e
             raise
+
+    # -- sharing with other processes ---------------------------------------------------------------
+    @property
+    def shareable(self) -> bool:
+        """Whether other processes can map this Region's memory (``shareable=True``, or attached)."""
+        return self._shareable
+
+    @property
+    def generation(self) -> int:
+        """How many times the owner's memory was made anew by ``resume()`` (a peer: the one it maps)."""
+        return self._generation
+
+    def export(self) -> tuple[SharedLayout, list[int]]:
+        """The layout of this Region and a new file descriptor per chunk, for another process to
+        :meth:`attach` (send both over a Unix socket: ``socket.send_fds``; close the descriptors after).
+
+        Raises:
+            ValueError: the Region was not made with ``shareable=True``, or is itself attached.
+            RuntimeError: it is paused (its memory is not there to share).
+            RegionClosedError: it is closed.
+        """
+        with self._lock:
+            self._check_open()
+            self._settle()
+            if not self._shareable or self._peer:
+                raise ValueError(
+                    f"region {self.name!r} cannot be exported: "
+                    + (
+                        "it is attached to another process's memory"
+                        if self._peer
+                        else "make it with shareable=True"
+                    )
+                )
+            if self._paused:
+                raise RuntimeError(f"region {self.name!r} is paused: resume() it before export()")
+            fds: list[int] = []
+            try:
+                for off, _ in self._chunks:
+                    fds.append(self._backend.export_file(off))  # type: ignore[attr-defined]
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            layout = SharedLayout(
+                name=self.name,
+                device=str(self._device),
+                nbytes=self._nbytes,
+                chunk_bytes=self._chunk,
+                chunks=tuple(self._chunks),
+                used_bytes=self._used,
+                generation=self._generation,
+            )
+            return layout, fds
+
+    @classmethod
+    def attach(cls, layout: SharedLayout, fds: Sequence[int], *, name: str | None = None) -> Region:
+        """Map another process's exported Region here, at addresses of this process's own that stay fixed;
+        tensors over it come from :meth:`view`. The descriptors may be closed once it returns.
+
+        Raises:
+            ValueError: ``fds`` do not match the layout's chunks, or this device's chunking differs.
+            OutOfMemoryError / CudaError: the memory cannot be mapped; nothing is left mapped.
+        """
+        if not isinstance(layout, SharedLayout):
+            raise ValueError(f"layout must be a SharedLayout, got {type(layout).__name__}")
+        region = cls.__new__(cls)
+        label = layout.name if name is None else name
+        region._build(layout.nbytes, layout.device, layout.chunk_bytes, label, True, (layout, list(fds)))
+        return region
+
+    def reattach(self, layout: SharedLayout, fds: Sequence[int]) -> None:
+        """A paused peer maps the owner's new memory (its ``export()`` after ``resume()``) at the same
+        addresses as before.
+
+        Raises:
+            RuntimeError: this Region is not an attached one, or is not paused.
+            ValueError: the layout is another Region's.
+        """
+        with self._lock:
+            self._check_open()
+            self._settle()
+            if not self._peer:
+                raise RuntimeError(f"region {self.name!r} is not attached to another process's memory")
+            if not self._paused:
+                raise RuntimeError(f"region {self.name!r} is mapped: pause(keep=False) it before reattach()")
+            self._map_files(layout, list(fds))
+            self._paused = False
+            self._generation = layout.generation
+            self._resumes += 1
+
+    def _map_files(self, layout: SharedLayout, fds: list[int]) -> None:
+        """Map each chunk's file at its offset; on failure unmap what this call mapped and raise."""
+        if tuple(self._chunks) != tuple(layout.chunks) or self._nbytes != layout.nbytes:
+            raise ValueError(
+                f"layout of region {layout.name!r} ({layout.nbytes} bytes in {len(layout.chunks)} chunks) "
+                f"does not match this one's ({self._nbytes} bytes in {len(self._chunks)} chunks)"
+            )
+        if len(fds) != len(self._chunks):
+            raise ValueError(f"fds: {len(fds)} descriptors for {len(self._chunks)} chunks")
+        done: list[int] = []
+        try:
+            for i, ((off, size), fd) in enumerate(zip(self._chunks, fds, strict=True)):
+                self._backend.map_file(off, size, fd)  # type: ignore[attr-defined]
+                done.append(i)
+        except BaseException:
+            for i in done:
+                self._backend.unmap(self._chunks[i][0])
+            raise
+        self._state = [_MAPPED] * len(self._chunks)
+
+    def view(self, offset: int, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` at byte ``offset`` of the Region (the owner's tensors are at
+        ``span(t)[0]``; an attached Region's tensors are views at the same offsets).
+
+        Raises:
+            ValueError: out of the Region, or not aligned for ``dtype``.
+            RuntimeError: the Region is paused.
+        """
+        self._check_open()
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        need = math.prod(dims) * itemsize
+        if offset < 0 or offset % itemsize or offset + need > self._nbytes:
+            raise ValueError(
+                f"view({offset}, {list(dims)}, {dtype}) does not fit region {self.name!r} "
+                f"({self._nbytes} bytes) at an offset aligned to {itemsize}"
+            )
+        if self._paused:
+            raise RuntimeError(f"region {self.name!r} is paused: its memory is not there to view")
+        if need == 0:
+            return torch.empty(dims, dtype=dtype, device=self._device)
+        return self._backend.tensor_at(offset, need).view(dtype).view(dims)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def _start_op(
