@@ -56,8 +56,8 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> Any:
-    if name == "comm":
-        return importlib.import_module(".comm", __name__)
+    if name in ("comm", "colocate"):
+        return importlib.import_module(f".{name}", __name__)
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'rlmem' has no attribute {name!r}")
@@ -96,6 +96,7 @@ __all__ = [
     "Workload",
     "__version__",
     "checkpoint",
+    "colocate",
     "comm",
     "estimate_memory",
     "host_memory_held",
