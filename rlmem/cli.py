@@ -20,6 +20,7 @@ _BENCHES = (
     "rollout",
     "numa",
     "real_model",
+    "colocate",
 )
 
 

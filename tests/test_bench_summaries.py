@@ -116,3 +116,23 @@ def test_real_model_summary_reads_the_eval_curve_and_compares_the_two_runs():
     assert s["offload_identical"] is True and s["checkpoint_loads_plain"] is True and s["step_s"] == 2.0
     off = part([0.1, 0.3], [0.5, 0.2500001], [(0, 0.3), (2, 0.6)])
     assert real_model.summarize({"offload": on, "nooffload": off})["offload_identical"] is False
+
+
+def test_colocate_summary_compares_the_three_syncs_with_the_bound():
+    from rlmem.benchmarks import colocate
+
+    res = {
+        "attach": {"median_ms": 1.8},
+        "sync": {
+            "bound_s": 0.005,
+            "shared_s": [0.0062, 0.0065, 0.0070],
+            "ipc_s": [2.0, 2.2],
+            "bucketed_s": [0.030, 0.031, 0.029],
+            "intact": {"shared": True, "ipc": True, "bucketed": True},
+        },
+    }
+    s = colocate.summarize(res)
+    assert s["attach_8gib_ms"] == 1.8 and s["sync_ms"] == pytest.approx(6.5)
+    assert s["sync_vs_bound"] == pytest.approx(0.005 / 0.0065)
+    assert s["sync_speedup_vs_ipc"] == pytest.approx(2.1 / 0.0065)
+    assert s["sync_speedup_vs_bucketed"] == pytest.approx(0.030 / 0.0065) and s["sync_intact"] is True
