@@ -101,8 +101,9 @@ def rollout_main(fd: int) -> int:
             bucket = _rebuild(cmd["handle"])
         elif op == "bucket":
             assert bucket is not None
-            for n, off, numel in cmd["items"]:
-                own[n].view(-1).copy_(bucket[off : off + 2 * numel].view(torch.bfloat16))
+            for n, off, start, numel in cmd["items"]:
+                dst = own[n].view(-1)[start : start + numel]
+                dst.copy_(bucket[off : off + 2 * numel].view(torch.bfloat16))
             torch.cuda.synchronize(dev)
         elif op == "checksum":
             tensors = own if cmd["which"] == "own" else (shared.tensors if shared is not None else {})
@@ -219,16 +220,17 @@ def measure_sync(ro: _Rollout, model_name: str, repeat: int) -> dict[str, Any]:
         items: list[list[Any]] = []
         off = 0
         for k, p in params.items():
-            nbytes = 2 * p.numel()
-            assert nbytes <= _BUCKET, f"{k} is larger than the bucket"
-            if off + nbytes > _BUCKET:
-                torch.cuda.synchronize()
-                ro.ask("bucket", items=items)
-                items, off = [], 0
-            with torch.no_grad():
-                bucket[off : off + nbytes].view(torch.bfloat16).view(p.shape).copy_(p)
-            items.append([k, off, p.numel()])
-            off += nbytes
+            flat, start = p.detach().view(-1), 0
+            while start < flat.numel():  # a tensor larger than what is left of the bucket goes in pieces
+                if off == _BUCKET:
+                    torch.cuda.synchronize()
+                    ro.ask("bucket", items=items)
+                    items, off = [], 0
+                numel = min(flat.numel() - start, (_BUCKET - off) // 2)
+                bucket[off : off + 2 * numel].view(torch.bfloat16).copy_(flat[start : start + numel])
+                items.append([k, off, start, numel])
+                off += 2 * numel
+                start += numel
         torch.cuda.synchronize()
         ro.ask("bucket", items=items)
 
