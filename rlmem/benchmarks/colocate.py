@@ -145,6 +145,7 @@ def _timed(fn: Any, repeat: int) -> list[float]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        torch.cuda.synchronize()  # until the device has done it (the syncs below wait themselves)
         out.append(time.perf_counter() - t0)
     return out
 
