@@ -228,36 +228,28 @@ class CudaBackend:
     def map(self, offset: int, size: int) -> None:
         """Create ``size`` bytes of physical memory and map them at ``offset``; undo on failure."""
         with context(self.index):
-            handle = call("cuMemCreate", size, self._prop, 0)
-            ptr = self._ptr + offset
-            try:
-                call("cuMemMap", ptr, size, 0, handle, 0)
-                try:
-                    call("cuMemSetAccess", ptr, size, self._access, 1)
-                except BaseException:
-                    call("cuMemUnmap", ptr, size)
-                    raise
-            except BaseException:
-                call("cuMemRelease", handle)
-                raise
-        self._handles[offset] = (handle, size)
+            self._map_handle(offset, size, call("cuMemCreate", size, self._prop, 0))
 
     def map_file(self, offset: int, size: int, fd: int) -> None:
         """Map another process's chunk, exported as the POSIX file descriptor ``fd``, at ``offset`` (``fd``
         may be closed after); undo on failure."""
         with context(self.index):
-            handle = call("cuMemImportFromShareableHandle", fd, self._fd_type)
-            ptr = self._ptr + offset
+            self._map_handle(offset, size, call("cuMemImportFromShareableHandle", fd, self._fd_type))
+
+    def _map_handle(self, offset: int, size: int, handle: Any) -> None:
+        """Map physical memory ``handle`` at ``offset`` with read-write access; on failure unmap it and
+        release the handle. Called with the device's context current."""
+        ptr = self._ptr + offset
+        try:
+            call("cuMemMap", ptr, size, 0, handle, 0)
             try:
-                call("cuMemMap", ptr, size, 0, handle, 0)
-                try:
-                    call("cuMemSetAccess", ptr, size, self._access, 1)
-                except BaseException:
-                    call("cuMemUnmap", ptr, size)
-                    raise
+                call("cuMemSetAccess", ptr, size, self._access, 1)
             except BaseException:
-                call("cuMemRelease", handle)
+                call("cuMemUnmap", ptr, size)
                 raise
+        except BaseException:
+            call("cuMemRelease", handle)
+            raise
         self._handles[offset] = (handle, size)
 
     def export_file(self, offset: int) -> int:
