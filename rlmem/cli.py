@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name", choices=_BENCHES, help="which benchmark")
     sub.add_parser("train", help="co-located GRPO (rlmem train --help for its options)", add_help=False)
     sub.add_parser("plan", help="memory estimate and which options fit (rlmem plan --help)", add_help=False)
+    sub.add_parser("colocate", help="processes sharing one GPU: status (the ledger), broker", add_help=False)
     r = sub.add_parser("report", help="re-print a run's memory table and re-draw its plot")
     r.add_argument("run_dir", help="the out_dir of an rlmem train run")
     r.add_argument("--no-plot", action="store_true", help="only print")
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(f".benchmarks.{argv[1]}", __package__).main(argv[2:])
+    if argv[0] == "colocate":
+        from .colocate.status import main as main_colocate
+
+        return main_colocate(argv[1:])
     if argv[0] == "plan":
         from .plan.cli import main as main_plan
 

@@ -19,6 +19,7 @@ from torch import nn
 from .._units import round_up
 from ..memory.region import Region
 from ..memory.sharing import SharedLayout
+from .member import PeerLostError
 
 __all__ = ["AttachedWeights", "SharedWeights", "attach_weights"]
 
@@ -108,7 +109,34 @@ class AttachedWeights:
 
     def __init__(self, region: Region, tensors: dict[str, torch.Tensor]) -> None:
         self.region = region
-        self.tensors = tensors
+        self._tensors = tensors
+        self._lost: dict[str, Any] | None = None
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The views by parameter name.
+
+        Raises:
+            PeerLostError: the process that owns the memory died (see :meth:`owner_lost`).
+            RuntimeError: paused (unmapped) until :meth:`reattach`.
+        """
+        if self._lost is not None:
+            raise PeerLostError(
+                f"the weights {self.region.name!r} belong to pid {self._lost.get('pid')} "
+                f"({self._lost.get('role')}), which died: they are no longer synced; close() them",
+                self._lost,
+            )
+        if self.region.paused:
+            raise RuntimeError(
+                f"the weights {self.region.name!r} are unmapped (paused): reattach() them to the owner's "
+                "memory"
+            )
+        return self._tensors
+
+    def owner_lost(self, entry: dict[str, Any]) -> None:
+        """Mark the owner (``entry``: its ledger entry) dead: :attr:`tensors` raises from now on. The memory
+        stays mapped (it lives while this process maps it) until :meth:`close`."""
+        self._lost = dict(entry)
 
     def pause(self) -> None:
         """Unmap (before the owner releases the memory); the views must not be used until :meth:`reattach`."""

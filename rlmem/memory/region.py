@@ -756,6 +756,11 @@ class Region:
         return self._shareable
 
     @property
+    def attached(self) -> bool:
+        """Whether this Region maps another process's memory (:meth:`attach`) rather than owning its own."""
+        return self._peer
+
+    @property
     def generation(self) -> int:
         """How many times the owner's memory was made anew by ``resume()`` (a peer: the one it maps)."""
         return self._generation

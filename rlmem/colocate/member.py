@@ -1,0 +1,564 @@
+"""A process's seat at the broker: what it holds, the fenced release, the admitted acquire, and calls.
+
+``Member(role)`` connects to the device's :class:`~rlmem.colocate.Broker` and reports, with every message,
+what it holds by category (the Regions it :meth:`~Member.track`\\ s, resident bytes, and PyTorch's cache),
+what it maps of another's, and the device's free and total bytes. A handoff is ``release()`` on one side,
+then ``acquire()`` on the other:
+
+- ``release(work)`` is a **fence**: it runs ``work`` (pauses, offloads), waits until the work queued on the
+  device has finished, then until the device's free memory has risen by what this process stopped holding,
+  and only then tells the broker. A release that returns is memory another process can have; one whose
+  memory does not come back (another process still maps it) fails with :class:`FenceError`, naming who maps
+  what, instead of counting.
+- ``acquire(need)`` waits (bounded) for the grant, then for ``need`` bytes to be free (a release in flight),
+  and raises rlmem's :class:`~rlmem.OutOfMemoryError` naming the peers (pid, role, holdings) when they do not
+  come; it changes nothing of the caller's, so whatever it had paused stays paused and a retry works.
+
+Nothing here ever exits the process: every failure is an exception, every wait has a time-out.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import queue
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._results import Result
+from .._units import MiB
+from ..errors import OutOfMemoryError
+from ..memory.region import Region
+from . import wire
+from ._device import mem_info, synchronize
+from .broker import ROLES, default_path
+
+__all__ = ["Fence", "FenceError", "Grant", "Member", "PeerLostError", "RemoteError", "describe"]
+
+# What the device's free memory may fall short of the bytes a release let go (allocation granularity,
+# memory the driver or another library keeps): 1/64 of it, and 4 MiB.
+_SLACK_FRACTION = 64
+_SLACK = 4 * MiB
+_POLL = 0.001
+
+
+class PeerLostError(ConnectionError):
+    """The broker or a peer process went away (it exited, or was killed).
+
+    Attributes:
+        peer: the lost peer's ledger entry (pid, role, holdings), when known.
+    """
+
+    def __init__(self, message: str, peer: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class FenceError(TimeoutError):
+    """A release whose memory did not come back to the device in time (another process still maps it)."""
+
+
+class RemoteError(RuntimeError):
+    """A call the peer received raised; the message is the peer's."""
+
+
+@dataclass(frozen=True)
+class Fence(Result):
+    """What a fenced :meth:`Member.release` saw: bytes it let go by its holdings, the rise of the device's
+    free memory, and the seconds from the start of the work to the fence (``wait_s``: spent waiting for the
+    device and the memory after the work)."""
+
+    released_bytes: int
+    free_rise_bytes: int
+    seconds: float
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class Grant(Result):
+    """What :meth:`Member.acquire` got: the seconds it waited (for the grant, then for the memory), the
+    device's free bytes once admitted, and the other members as the ledger had them."""
+
+    waited_s: float
+    free_bytes: int
+    others: list[dict[str, Any]]
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def describe(member: dict[str, Any]) -> str:
+    """One ledger entry as text: ``pid 123 (rollout) holding kv_cache 30.00 GiB, ...``."""
+    held = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(member.get("holdings", {}).items()) if v)
+    mapped = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(member.get("mapped", {}).items()) if v)
+    text = f"pid {member.get('pid')} ({member.get('role')}) holding {held or 'nothing'}"
+    return text + (f", mapping another's {mapped}" if mapped else "")
+
+
+class Member:
+    """This process at the broker of its device, in ``role``.
+
+    Args:
+        role: ``"train"``, ``"rollout"`` or ``"observer"`` (reads the ledger, holds nothing).
+        path: the broker's socket (default: :func:`~rlmem.colocate.default_path` of ``device``).
+        device: the device this process's memory is on (``"cpu"`` for the host backend).
+        timeout: the default bound, in seconds, of every wait (connect, grant, memory, calls).
+        name: a label shown in the ledger.
+
+    Raises:
+        ValueError: a bad argument.
+        ConnectionError: no broker listens at ``path``.
+        wire.PeerRefusedError: the broker runs as another user.
+        RuntimeError: the broker refused the role (taken by another process; the message names it).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        device: str | torch.device = "cuda",
+        timeout: float = 60.0,
+        name: str = "",
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.role, self.device, self.timeout, self.name = role, dev, float(timeout), name
+        self.path = Path(path) if path is not None else default_path(str(dev))
+        self._tracked: dict[str, list[Callable[[], Iterable[Region]]]] = {}
+        self._maps: dict[str, Callable[[], Iterable[Region]]] = {}
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, list[Any]] = {}  # request id -> [event, (msg, fds) or exception]
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._calls: queue.Queue[tuple[dict[str, Any], list[int]] | None] = queue.Queue()
+        self._lost: Exception | None = None
+        self.lost_peers: list[dict[str, Any]] = []
+        self._on_lost: list[Callable[[dict[str, Any]], None]] = []
+        self._baseline: tuple[int, int] | None = None
+        self._sock = wire.connect(self.path, timeout=self.timeout)
+        try:
+            self.broker_pid, _ = wire.check_peer(self._sock)
+            self._reader = threading.Thread(target=self._read, name=f"rlmem-member-{role}", daemon=True)
+            self._reader.start()
+            hello = self._request({"op": "hello", "role": role, "name": name})
+        except BaseException:
+            self._sock.close()
+            raise
+        ref = weakref.ref(self)
+        atexit.register(lambda: (m := ref()) is not None and m.close())  # no reader left in a read at exit
+        self.pid: int = hello["pid"]
+        self.capacity: int | None = hello.get("capacity")
+
+    # -- what this process holds ------------------------------------------------------------------------
+    def track(self, category: str, regions: Region | Callable[[], Iterable[Region]]) -> None:
+        """Count ``regions`` (a Region, or a callable returning the current ones: e.g.
+        ``lambda: state.regions("optimizer")``) under ``category`` in the ledger: their resident bytes are
+        what this process holds, their paused bytes what an ``acquire`` needs by default. Attached Regions
+        (another process's memory) are reported as mapped, not held."""
+        if not isinstance(category, str) or not category:
+            raise ValueError(f"category must be a non-empty str, got {category!r}")
+        if isinstance(regions, Region):
+            one = regions
+            regions = lambda: (one,)  # noqa: E731
+        if not callable(regions):
+            raise ValueError(f"regions must be a Region or a callable, got {type(regions).__name__}")
+        self._tracked.setdefault(category, []).append(regions)
+
+    def track_train_state(self, state: Any) -> None:
+        """Track a :class:`~rlmem.TrainState`'s Regions under their categories."""
+        for cat in ("params", "grads", "optimizer", "buffers"):
+            self.track(cat, lambda c=cat: state.regions(c))
+
+    def _regions(self) -> Iterable[tuple[str, Region]]:
+        for cat, sources in self._tracked.items():
+            for src in sources:
+                for r in src():
+                    if not r.closed:
+                        yield cat, r
+
+    def holdings(self) -> dict[str, int]:
+        """Resident bytes by category (attached Regions apart), and PyTorch's cached device memory."""
+        out: dict[str, int] = {}
+        for cat, r in self._regions():
+            if not r.attached:
+                out[cat] = out.get(cat, 0) + r.resident_bytes
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            out["torch_cache"] = int(torch.cuda.memory_reserved(self.device))
+        return out
+
+    def mapped(self) -> dict[str, int]:
+        """Bytes this process maps of other processes' memory (attached Regions), by Region name."""
+        out: dict[str, int] = {}
+        for _, r in self._regions():
+            if r.attached:
+                out[r.name] = out.get(r.name, 0) + r.resident_bytes
+        return out
+
+    def _seen_bytes(self) -> int:
+        """What the device's free memory counts of this process's holdings: everything on a GPU; on the host
+        backend, shareable Regions (shared memory) and not private pages."""
+        if self.device.type == "cuda":
+            return sum(self.holdings().values())
+        return sum(r.resident_bytes for _, r in self._regions() if r.shareable and not r.attached)
+
+    def paused_bytes(self) -> int:
+        """Bytes of this process's own tracked Regions that are not resident: what resuming them takes."""
+        return sum(r.nbytes - r.resident_bytes for _, r in self._regions() if not r.attached)
+
+    def _report(self) -> dict[str, Any]:
+        if self.role == "observer":  # holds nothing, and must not make a CUDA context to look
+            return {}
+        free, total = mem_info(self.device)
+        return {
+            "holdings": self.holdings(),
+            "mapped": self.mapped(),
+            "device": {"free": free, "total": total, "at": int(time.time() * 1000)},
+        }
+
+    # -- the handoff ------------------------------------------------------------------------------------
+    def mark(self) -> None:
+        """Take the baseline the next :meth:`release` measures from (the device's free bytes and what this
+        process holds), for a release whose work was done piecemeal before it (``PhaseManager``'s order)."""
+        self._baseline = (mem_info(self.device)[0], self._seen_bytes())
+
+    def release(self, work: Callable[[], Any] | None = None, *, timeout: float | None = None) -> Fence:
+        """Run ``work`` (what gives memory back), then fence: the device's queued work finished, and the free
+        memory seen to rise by what this process stopped holding; then give the device up at the broker.
+
+        Measured from the last :meth:`mark` if there was one since the last release, else from this call.
+
+        Raises:
+            FenceError: the memory did not come back within ``timeout`` (the message names what the other
+                processes hold and map); the device is not given up.
+            PeerLostError: the broker is gone.
+        """
+        limit = self._limit(timeout)
+        t0 = time.perf_counter()
+        if self._baseline is None:
+            self.mark()
+        free0, held0 = self._baseline or (0, 0)
+        if work is not None:
+            work()
+        t1 = time.perf_counter()
+        synchronize(self.device)
+        let_go = max(0, held0 - self._seen_bytes())
+        want = let_go - min(let_go, let_go // _SLACK_FRACTION + _SLACK)
+        deadline = time.monotonic() + limit
+        while (rise := mem_info(self.device)[0] - free0) < want:
+            if time.monotonic() > deadline:
+                others = [m for m in self.status()["members"] if m["role"] != self.role]
+                raise FenceError(
+                    f"release by {self.role}: the device's free memory rose {_gib(max(0, rise))} of the "
+                    f"{_gib(let_go)} let go within {limit:g} s; "
+                    + ("; ".join(describe(m) for m in others) or "no other member")
+                    + " (memory another process still maps is freed only when it unmaps it)"
+                )
+            time.sleep(_POLL)
+        fence = Fence(
+            released_bytes=let_go,
+            free_rise_bytes=max(0, rise),
+            seconds=time.perf_counter() - t0,
+            wait_s=time.perf_counter() - t1,
+        )
+        self._baseline = None
+        self._request({"op": "release", "fence": fence.as_dict()})
+        return fence
+
+    def acquire(self, need: int | None = None, *, timeout: float | None = None) -> Grant:
+        """Take the device: wait (bounded) for the holder's fenced release, then until ``need`` bytes are
+        free (default: :meth:`paused_bytes`) and the ledger stays within the broker's capacity.
+
+        Raises:
+            OutOfMemoryError: the grant or the memory did not come within ``timeout``; the message names the
+                peers (pid, role, what they hold). Nothing of this process's is changed; the grant is given
+                back, so a retry works.
+            PeerLostError: the broker is gone.
+        """
+        limit = self._limit(timeout)
+        need = self.paused_bytes() if need is None else int(need)
+        if need < 0:
+            raise ValueError(f"need must be >= 0 bytes, got {need}")
+        t0 = time.monotonic()
+        reply = self._request({"op": "acquire", "timeout": limit}, wait=limit + self.timeout)
+        if not reply["ok"]:
+            free = mem_info(self.device)[0]
+            raise OutOfMemoryError(
+                f"{self.role} could not take {self.device}: {describe(reply['holder'])} has not released "
+                f"it within {limit:g} s (needed {_gib(need)}, {_gib(free)} free)",
+                needed=need,
+                free=free,
+                device=str(self.device),
+            )
+        others = reply["others"]
+        deadline = t0 + limit
+        last_status = time.monotonic()
+        while True:
+            free = mem_info(self.device)[0]
+            over = self._over_capacity(need, others)
+            if free >= need and not over:
+                return Grant(waited_s=time.monotonic() - t0, free_bytes=free, others=others)
+            if time.monotonic() > deadline:
+                break
+            if time.monotonic() - last_status > 0.05:  # a peer's release in flight shows in its holdings
+                others = [m for m in self.status()["members"] if m["role"] != self.role]
+                last_status = time.monotonic()
+            time.sleep(_POLL)
+        self._request({"op": "release", "fence": None})  # give the grant back: a retry starts afresh
+        cap = f"; the ledger's capacity is {_gib(self.capacity)}" if self.capacity and over else ""
+        raise OutOfMemoryError(
+            f"{self.role} needs {_gib(need)} on {self.device} and {_gib(free)} is free after {limit:g} s"
+            + f"{cap}; "
+            + ("; ".join(describe(m) for m in others) or "no other member holds any")
+            + ". Nothing of this process's was changed: retry once the peer has released",
+            needed=need,
+            free=free,
+            device=str(self.device),
+        )
+
+    def _over_capacity(self, need: int, others: list[dict[str, Any]]) -> bool:
+        if self.capacity is None:
+            return False
+        theirs = sum(sum(m.get("holdings", {}).values()) for m in others)
+        return theirs + sum(self.holdings().values()) + need > self.capacity
+
+    # -- calls between members --------------------------------------------------------------------------
+    def wait_for(self, role: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """Wait (bounded) until a member of ``role`` has joined; its ledger entry.
+
+        Raises:
+            TimeoutError: none joined within ``timeout``.
+        """
+        limit = self._limit(timeout)
+        reply = self._request({"op": "wait_for", "role": role, "timeout": limit}, wait=limit + self.timeout)
+        if not reply["ok"]:
+            raise TimeoutError(f"no {role!r} process joined the broker at {self.path} within {limit:g} s")
+        return reply["peer"]
+
+    def call(
+        self,
+        role: str,
+        method: str,
+        args: dict[str, Any] | None = None,
+        *,
+        fds: Iterable[int] = (),
+        timeout: float | None = None,
+    ) -> tuple[Any, list[int]]:
+        """Call ``method`` of the member of ``role`` (its :meth:`serve` loop) with JSON-able ``args`` and
+        ``fds``; its result and the descriptors that came back (the caller closes them).
+
+        Raises:
+            PeerLostError: the peer died before answering (or there is none).
+            OutOfMemoryError: the peer's handler raised one (its fields are kept).
+            RemoteError: it raised anything else.
+            TimeoutError: no answer within ``timeout``.
+        """
+        reply, rfds = self._request(
+            {"op": "call", "to": role, "method": method, "args": args or {}},
+            fds=list(fds),
+            wait=self._limit(timeout),
+            with_fds=True,
+        )
+        if reply["ok"]:
+            return reply.get("result"), rfds
+        for fd in rfds:
+            os.close(fd)
+        err = reply.get("error")
+        if err in ("peer_lost", "absent"):
+            peer = reply.get("peer")
+            who = describe(peer) if peer else f"no {role!r} member"
+            raise PeerLostError(f"{method}() on {role}: {who} is gone (it exited or was killed)", peer)
+        if err == "OutOfMemoryError":
+            raise OutOfMemoryError(
+                reply.get("message", ""), needed=reply.get("needed", 0), free=reply.get("free", 0)
+            )
+        raise RemoteError(f"{method}() on {role} raised {err}: {reply.get('message', '')}")
+
+    def serve(
+        self,
+        handlers: dict[str, Callable[..., Any]],
+        *,
+        idle_timeout: float | None = None,
+        until: Callable[[], bool] | None = None,
+    ) -> int:
+        """Answer calls from other members with ``handlers[method](fds, **args)`` (a result, or ``(result,
+        fds)`` to send descriptors back) until a ``"stop"`` call, ``until()`` turns true, or no call came for
+        ``idle_timeout`` seconds. A handler's exception is sent back, not raised here. Returns the number of
+        calls answered.
+
+        Raises:
+            PeerLostError: the broker went away.
+            TimeoutError: ``idle_timeout`` passed without a call.
+        """
+        served = 0
+        while until is None or not until():
+            try:
+                item = self._calls.get(timeout=0.05 if until is not None else idle_timeout)
+            except queue.Empty:
+                if until is not None:
+                    continue
+                raise TimeoutError(f"{self.role}: no call within {idle_timeout} s") from None
+            if item is None:
+                raise self._lost or PeerLostError("the broker closed the connection")
+            msg, fds = item
+            method = msg.get("method")
+            reply: dict[str, Any] = {"op": "result", "cid": msg.get("cid")}
+            out_fds: list[int] = []
+            try:
+                if method == "stop":
+                    reply.update(ok=True, result=None)
+                else:
+                    fn = handlers.get(method)
+                    if fn is None:
+                        raise ValueError(f"no method {method!r}; this member serves {sorted(handlers)}")
+                    result = fn(fds, **msg.get("args", {}))
+                    if isinstance(result, tuple):
+                        result, out_fds = result
+                    reply.update(ok=True, result=result)
+            except Exception as e:  # sent to the caller, who raises it
+                reply.update(ok=False, error=type(e).__name__, message=str(e))
+                if isinstance(e, OutOfMemoryError):
+                    reply.update(needed=e.needed, free=e.free)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            try:
+                self._send({**reply, **self._report()}, out_fds)
+            finally:
+                for fd in out_fds:
+                    os.close(fd)
+            served += 1
+            if method == "stop":
+                break
+        return served
+
+    def on_peer_lost(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``fn(entry)`` (on the reader thread) when the broker says a peer died."""
+        self._on_lost.append(fn)
+
+    # -- the ledger -------------------------------------------------------------------------------------
+    def report(self) -> None:
+        """Send this process's holdings now (every message sends them too)."""
+        self._request({"op": "report"})
+
+    def status(self) -> dict[str, Any]:
+        """The broker's ledger (see :meth:`Broker.ledger`)."""
+        return self._request({"op": "status"})["ledger"]
+
+    def close(self) -> None:
+        """Leave the broker (a grant held is returned)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self._reader is not threading.current_thread():
+            self._reader.join(5.0)  # it sees the shutdown and ends: no thread left in a read at exit
+        self._sock.close()
+
+    def __enter__(self) -> Member:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+    def _limit(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.timeout
+        if not (isinstance(timeout, (int, float)) and timeout >= 0):
+            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        return float(timeout)
+
+    def _send(self, msg: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+        if self._lost is not None:
+            raise self._lost
+        try:
+            with self._send_lock:
+                wire.send(self._sock, msg, fds)
+        except OSError as e:
+            self._reader.join(1.0)  # it may know why (a refusal it was sent)
+            raise self._lost or PeerLostError(f"the broker at {self.path} is gone: {e}") from e
+
+    def _request(
+        self,
+        msg: dict[str, Any],
+        *,
+        fds: list[int] | tuple[int, ...] = (),
+        wait: float | None = None,
+        with_fds: bool = False,
+    ) -> Any:
+        rid = next(self._ids)
+        slot: list[Any] = [threading.Event(), None]
+        with self._lock:
+            self._waiting[rid] = slot
+        try:
+            payload = {**msg, "id": rid} if msg.get("op") == "hello" else {**msg, "id": rid, **self._report()}
+            self._send(payload, fds)
+            limit = self.timeout if wait is None else wait
+            if not slot[0].wait(limit):
+                raise TimeoutError(f"the broker did not answer {msg.get('op')!r} within {limit:g} s")
+        finally:
+            with self._lock:
+                self._waiting.pop(rid, None)
+        got = slot[1]
+        if isinstance(got, BaseException):
+            raise got
+        reply, rfds = got
+        if with_fds:
+            return reply, rfds
+        for fd in rfds:
+            os.close(fd)
+        if not reply.get("ok", False) and reply.get("error") in ("hello", "protocol", "refused"):
+            raise RuntimeError(f"the broker at {self.path} refused {msg.get('op')!r}: {reply.get('message')}")
+        return reply
+
+    def _read(self) -> None:
+        err: Exception | None = None
+        while True:
+            try:
+                msg, fds = wire.recv(self._sock, timeout=None)
+            except (ConnectionError, OSError) as e:
+                err = PeerLostError(f"the broker at {self.path} is gone ({e})")
+                break
+            except wire.WireError as e:
+                err = PeerLostError(f"the broker at {self.path} speaks another protocol: {e}")
+                break
+            if msg.get("op") == "call":
+                self._calls.put((msg, fds))
+            elif msg.get("op") == "peer_lost":
+                self.lost_peers.append(msg["peer"])
+                for fn in self._on_lost:
+                    fn(msg["peer"])
+            elif msg.get("re") == 0 and msg.get("error") == "refused":
+                err = wire.PeerRefusedError(str(msg.get("message")))
+                break
+            else:
+                with self._lock:
+                    slot = self._waiting.get(msg.get("re"))
+                if slot is None:
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                slot[1] = (msg, fds)
+                slot[0].set()
+        self._lost = err
+        with self._lock:
+            for slot in self._waiting.values():
+                slot[1] = err
+                slot[0].set()
+        self._calls.put(None)
