@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -10,6 +10,7 @@
 # bench-grpo passes its args to rlmem bench grpo_colocated (e.g. --parts big-offload --merge);
 # bench-act passes its args to rlmem bench activations (e.g. --models qwen2-wide).
 # bench-megatron passes its args to rlmem bench megatron (e.g. --parts switch).
+# bench-colocate passes its args to rlmem bench colocate (e.g. --parts handoff --merge).
 # Carry .whl (torch_memory_saver 0.0.10 for the phase_switch comparison, megatron-core 0.16.1 cp312 for the
 # Megatron tests and benchmark); see README.
 set -uo pipefail
@@ -116,6 +117,12 @@ if [[ $what == bench-real ]]; then
   [[ -f bench/results/real_model-$name.json ]] && cp "bench/results/real_model-$name.json" "$OUT/"
   python3 -m rlmem bench real_model --machine "$name" --json "$OUT/real_model-$name.json" "$@" \
     2>&1 | tee "$OUT/bench_real_model.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == all || $what == bench || $what == bench-colocate ]]; then
+  [[ -f bench/results/colocate-$name.json ]] && cp "bench/results/colocate-$name.json" "$OUT/"
+  python3 -m rlmem bench colocate --machine "$name" --json "$OUT/colocate-$name.json" "$@" \
+    2>&1 | tee "$OUT/bench_colocate.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == all || $what == bench || $what == bench-numa ]]; then

@@ -153,7 +153,7 @@ def check_targets(summary: dict[str, Any], targets: dict[str, tuple[str, float]]
 
 
 def targets_text(targets: dict[str, tuple[str, float]]) -> dict[str, str]:
-    return {k: f"{op} {v:g}" for k, (op, v) in targets.items()}
+    return {k: f"{op} {v}" if isinstance(v, bool) else f"{op} {v:g}" for k, (op, v) in targets.items()}
 
 
 def summary_lines(summary: dict[str, Any], met: dict[str, bool]) -> str:

@@ -14,10 +14,19 @@ them) on the same GPU:
   fp32 -> bf16 cast-copy of as many elements). ``extra_bytes``: the device memory each way needs beyond the
   trainer's own weights (the rollout side's weights count where they are a second copy).
 
-The handoff between the two processes (the ledger, fences, admission) is not measured yet.
+* ``handoff``: ``--handoffs`` one-way handoffs through a broker run here (it makes no CUDA context) between a
+  train-like and a rollout-like process (:mod:`~rlmem.benchmarks.colocate_roles`), each holding ``--frac`` of
+  the device, so that they never fit together: the trainer's state backed up to host memory and brought
+  back, the rollout's KV-cache-like Region discarded and re-taken, every release fenced and every acquire
+  admitted. A handoff is timed from the first call of the switch to the last (the train side's reload
+  included); its copy time is the same state's backed-up pause (or resume) timed alone in the same process
+  just before. The ledger is sampled here every 0.5 ms: ``over_capacity`` counts samples where the two
+  processes' holdings add up to more than the device. ``handoffs_intact``: every byte of the state equal to
+  the pattern written at the start, and every sync's weights read by the rollout process.
 
 Summary: ``attach_8gib_ms``, ``sync_ms``, ``sync_vs_bound``, ``sync_speedup_vs_ipc``,
-``sync_speedup_vs_bucketed``.
+``sync_speedup_vs_bucketed``, ``handoff_ms``, ``handoff_over_copy_ms``, ``handoffs_intact``,
+``over_capacity``.
 """
 
 from __future__ import annotations
@@ -39,12 +48,15 @@ from ._common import format_table
 from ._harness import Run
 
 NAME = "colocate"
-PARTS = ("attach", "sync")
+PARTS = ("handoff", "attach", "sync")
 TARGETS = {
     "attach_8gib_ms": ("<", 10.0),
     "sync_vs_bound": (">=", 0.7),
     "sync_speedup_vs_ipc": (">=", 50.0),
     "sync_speedup_vs_bucketed": (">=", 3.0),
+    "handoff_over_copy_ms": ("<", 50.0),
+    "over_capacity": ("==", 0),
+    "handoffs_intact": ("==", True),
 }
 _BUCKET = 512 << 20
 
@@ -261,8 +273,70 @@ def measure_sync(ro: _Rollout, model_name: str, repeat: int) -> dict[str, Any]:
     }
 
 
+def measure_handoff(handoffs: int, frac: float, timeout: float) -> dict[str, Any]:
+    """Two processes handing the device over ``handoffs`` times through a broker in this process."""
+    import tempfile
+    import threading
+
+    from ..colocate import Broker
+
+    path = os.path.join(tempfile.mkdtemp(prefix="rlmem-bench-"), "run", "broker.sock")
+    broker = Broker(path).start()
+    samples: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            led = broker.ledger()
+            held = sum(sum(m["holdings"].values()) for m in led["members"])
+            samples.append((held, led["device"].get("total", 0)))
+            time.sleep(0.0005)
+
+    threading.Thread(target=sample, daemon=True).start()
+    roles = [sys.executable, "-m", "rlmem.benchmarks.colocate_roles"]
+    common = ["--path", path, "--device", "cuda", "--frac", str(frac), "--timeout", str(timeout)]
+    ro = subprocess.Popen([*roles, "rollout", *common], stdout=subprocess.PIPE, text=True)
+    try:
+        tr = subprocess.run(
+            [*roles, "train", *common, "--handoffs", str(handoffs)],
+            capture_output=True,
+            text=True,
+            timeout=timeout * 4,
+        )
+    finally:
+        stop.set()
+        try:
+            ro.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            ro.kill()
+        broker.close()
+    sys.stderr.write(tr.stderr[-4000:])
+    lines = [x for x in tr.stdout.splitlines() if x.startswith("{")]
+    if tr.returncode != 0 or not lines:
+        return {"error": f"exit {tr.returncode}: {tr.stderr[-3000:]}"}
+    out = json.loads(lines[-1])
+    total = max((t for _, t in samples), default=0)
+    out["ledger_samples"] = len(samples)
+    out["ledger_peak_bytes"] = max((h for h, _ in samples), default=0)
+    out["device_total_bytes"] = total
+    out["over_capacity"] = sum(1 for h, t in samples if t and h > t)
+    out["rollout_exit"] = ro.returncode
+    return out
+
+
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     s: dict[str, Any] = {}
+    h = res.get("handoff")
+    if h and "handoffs" in h:
+        times, over = [], []
+        for r in h["handoffs"]:
+            times += [r["to_rollout_s"], r["to_train_s"]]
+            over += [r["to_rollout_s"] - h["copy_out_s"], r["to_train_s"] - h["copy_in_s"]]
+        s["handoff_ms"] = statistics.median(times) * 1e3
+        s["handoff_over_copy_ms"] = statistics.median(over) * 1e3
+        s["handoffs"] = len(times)
+        s["handoffs_intact"] = bool(h["intact"] and h["weights_seen"] and h["rollout_exit"] == 0)
+        s["over_capacity"] = h["over_capacity"]
     a = res.get("attach")
     if a:
         s["attach_8gib_ms"] = a["median_ms"]
@@ -287,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2-2.7b-mha", help="the sync part's model preset")
     p.add_argument("--attach-gib", type=int, default=8)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--handoffs", type=int, default=100, help="the handoff part's one-way handoffs")
+    p.add_argument("--frac", type=float, default=0.6, help="the share of the device each side holds")
     p.add_argument("--merge", action="store_true", help="keep the other parts of an existing JSON file")
     args = run_.parse(argv)
     if not run_.needs_cuda():
@@ -295,15 +371,27 @@ def main(argv: list[str] | None = None) -> int:
     if not parts or any(x not in PARTS for x in parts):
         run_.error(f"--parts must be a comma-separated subset of {', '.join(PARTS)}")
     res: dict[str, Any] = run_.previous() if args.merge else {}
-    ro = _Rollout()
-    try:
-        if "attach" in parts:
-            res["attach"] = measure_attach(ro, args.attach_gib, args.repeat)
-        if "sync" in parts:
-            res["sync"] = measure_sync(ro, args.model, args.repeat)
-    finally:
-        ro.close()
+    if "handoff" in parts:  # first: this process has no CUDA context yet, and holds nothing
+        res["handoff"] = measure_handoff(args.handoffs, args.frac, timeout=300.0)
+    if "attach" in parts or "sync" in parts:
+        ro = _Rollout()
+        try:
+            if "attach" in parts:
+                res["attach"] = measure_attach(ro, args.attach_gib, args.repeat)
+            if "sync" in parts:
+                res["sync"] = measure_sync(ro, args.model, args.repeat)
+        finally:
+            ro.close()
     summary = summarize(res)
+    if "handoff_ms" in summary:
+        h = res["handoff"]
+        print(
+            f"handoff of {h['state_bytes'] / 2**30:.1f} GiB each way: median {summary['handoff_ms']:.1f} ms, "
+            f"{summary['handoff_over_copy_ms']:.1f} ms over the copy alone "
+            f"(out {h['copy_out_s'] * 1e3:.1f} / in {h['copy_in_s'] * 1e3:.1f} ms); "
+            f"intact {summary['handoffs_intact']}; "
+            f"over capacity {summary['over_capacity']} of {h['ledger_samples']} samples"
+        )
     y = res.get("sync")
     if y:
         rows = [

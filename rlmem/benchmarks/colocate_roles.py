@@ -179,12 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--state-bytes", type=int, default=64 << 20)
     p.add_argument("--kv-bytes", type=int, default=64 << 20)
+    p.add_argument("--frac", type=float, default=0.0, help="if > 0: each side holds this share of the device")
     p.add_argument("--handoffs", type=int, default=4, help="one-way handoffs (a round trip is two)")
     p.add_argument("--level2-every", type=int, default=0, help="every Nth round trip sleeps at level 2")
     p.add_argument("--copy-repeat", type=int, default=3)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--hang", default="", help="stop for good at: offload (train), wake or sleep (rollout)")
     args = p.parse_args(argv)
+    if args.frac > 0:
+        from ..colocate._device import mem_info
+
+        size = int(mem_info(torch.device(args.device))[1] * args.frac) >> 21 << 21
+        args.state_bytes = args.kv_bytes = size
     return train(args) if args.role == "train" else rollout(args)
 
 
