@@ -84,10 +84,11 @@ class KVEngine:
 def rollout(args: argparse.Namespace) -> int:
     dev = torch.device(args.device)
     member = Member("rollout", path=args.path, device=dev, timeout=args.timeout)
+    member.acquire(args.kv_bytes)  # making memory is taking it: with the grant, then given back, fenced
     engine = KVEngine(args.kv_bytes, dev, args.hang)
-    served = serve_engine(
-        member, engine, methods=("generate",), track={"kv_cache": engine.kv}, idle_timeout=args.timeout
-    )
+    member.track("kv_cache", engine.kv)
+    member.release()
+    served = serve_engine(member, engine, methods=("generate",), idle_timeout=args.timeout)
     print(json.dumps({"served": served}), flush=True)
     member.close()
     return 0
@@ -112,6 +113,8 @@ def _copy_times(state: Region, repeat: int) -> tuple[float, float]:
 def train(args: argparse.Namespace) -> int:
     dev = torch.device(args.device)
     member = Member("train", path=args.path, device=dev, timeout=args.timeout)
+    member.wait_for("rollout")  # it makes its memory first, under the grant, and gives the device back
+    member.acquire(args.state_bytes)
     state = Region(args.state_bytes, dev, shareable=dev.type == "cpu", name="train_state")
     x = state.empty(state.nbytes // 4, torch.float32)
     _pattern(x, 7)

@@ -47,6 +47,7 @@ class _Conn:
     holdings: dict[str, int] = field(default_factory=dict)
     mapped: dict[str, int] = field(default_factory=dict)
     device: dict[str, int] = field(default_factory=dict)
+    serving: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, msg: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> bool:
@@ -66,6 +67,7 @@ class _Conn:
             "holdings": dict(self.holdings),
             "mapped": dict(self.mapped),
             "holds_device": holder,
+            "serving": self.serving,
         }
 
 
@@ -212,6 +214,10 @@ class Broker:
             self._hello(conn, msg)
         elif op == "report":
             conn.send({"re": rid, "ok": True})
+        elif op == "serving":
+            with self._cv:
+                conn.serving = True
+                self._cv.notify_all()
         elif op == "status":
             conn.send({"re": rid, "ok": True, "ledger": self.ledger()})
         elif op == "acquire":
@@ -275,12 +281,17 @@ class Broker:
         conn.send({**reply, "re": rid})
 
     def _wait_for(self, conn: _Conn, msg: dict[str, Any]) -> None:
-        role, rid = msg.get("role"), msg.get("id")
+        role, rid, serving = msg.get("role"), msg.get("id"), bool(msg.get("serving"))
         deadline = time.monotonic() + float(msg.get("timeout", 0))
-        with self._cv:
-            while role not in self._members and time.monotonic() < deadline and not self._closed:
-                self._cv.wait(deadline - time.monotonic())
+
+        def ready() -> bool:
             peer = self._members.get(role)
+            return peer is not None and (peer.serving or not serving)
+
+        with self._cv:
+            while not ready() and time.monotonic() < deadline and not self._closed:
+                self._cv.wait(deadline - time.monotonic())
+            peer = self._members.get(role) if ready() else None
             info = peer.info(peer is self._holder) if peer is not None else None
         conn.send({"re": rid, "ok": info is not None, "peer": info, "error": "absent"})
 

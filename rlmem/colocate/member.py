@@ -338,16 +338,19 @@ class Member:
         return theirs + sum(self.holdings().values()) + need > self.capacity
 
     # -- calls between members --------------------------------------------------------------------------
-    def wait_for(self, role: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """Wait (bounded) until a member of ``role`` has joined; its ledger entry.
+    def wait_for(self, role: str, *, serving: bool = True, timeout: float | None = None) -> dict[str, Any]:
+        """Wait (bounded) until a member of ``role`` has joined and, if ``serving``, answers calls (its
+        :meth:`serve` has begun: it has made its memory, under the grant, and is ready); its ledger entry.
 
         Raises:
-            TimeoutError: none joined within ``timeout``.
+            TimeoutError: none did within ``timeout``.
         """
         limit = self._limit(timeout)
-        reply = self._request({"op": "wait_for", "role": role, "timeout": limit}, wait=limit + self.timeout)
+        msg = {"op": "wait_for", "role": role, "serving": serving, "timeout": limit}
+        reply = self._request(msg, wait=limit + self.timeout)
         if not reply["ok"]:
-            raise TimeoutError(f"no {role!r} process joined the broker at {self.path} within {limit:g} s")
+            what = "serving calls" if serving else "joined"
+            raise TimeoutError(f"no {role!r} process {what} at the broker {self.path} within {limit:g} s")
         return reply["peer"]
 
     def call(
@@ -406,6 +409,7 @@ class Member:
             TimeoutError: ``idle_timeout`` passed without a call.
         """
         served = 0
+        self._send({"op": "serving"})
         while until is None or not until():
             try:
                 item = self._calls.get(timeout=0.05 if until is not None else idle_timeout)
