@@ -14,6 +14,9 @@ Public API:
         combined with offload_activations).
     ModuleMap: module-path patterns for models whose layout rlmem does not recognise.
     comm: suspend(), resume(), memory_stats() of NCCL communicator memory, keeping the process groups.
+    colocate: a trainer and a rollout engine in separate processes on one GPU: SharedWeights, the Broker
+        (ledger, grant), Member (fenced release, admitted acquire), PeerEngine / serve_engine.
+    RemoteEngine: an inference server (rlmem's, vLLM's or SGLang's endpoints) as a rollout engine.
     estimate_memory, recommend, ModelShape, Workload, PlanOptions, Hardware, MemoryEstimate: the memory
         planner behind ``rlmem plan`` (what a step and a rollout take, which options make them fit).
     token_budget_batches: variable-length sequences into micro-batches under a token budget, the same
@@ -52,6 +55,7 @@ _WHERE = {
     "OffloadConfig": ".train",
     "PhaseManager": ".train",
     "TrainState": ".train",
+    "RemoteEngine": ".colocate",
 }
 
 

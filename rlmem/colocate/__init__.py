@@ -7,7 +7,8 @@ Owns what two processes share and how they hand the device over:
   trainer's in-place cast-copy, nothing travels;
 - the device-wide ledger and grant (:class:`Broker`), each process's seat at it (:class:`Member`: fenced
   ``release``, admitted ``acquire``, calls), and the rollout process as an engine of the trainer's
-  ``PhaseManager`` (:class:`PeerEngine`, :func:`serve_engine`);
+  ``PhaseManager`` (:class:`PeerEngine`, :func:`serve_engine`); an inference server as one
+  (:class:`RemoteEngine`: rlmem's, vLLM's or SGLang's endpoints over HTTP, its sleep fenced);
 - how they talk (:mod:`~rlmem.colocate.wire`: framed, versioned messages with descriptors over a Unix socket
   in a private directory, peers checked by their credentials).
 
@@ -18,9 +19,11 @@ from . import wire
 from .broker import Broker, default_path
 from .member import Fence, FenceError, Grant, Member, PeerLostError, RemoteError, describe
 from .peer import PeerEngine, serve_engine
+from .remote import FLAVORS, RemoteEngine
 from .weights import AttachedWeights, SharedWeights, attach_weights
 
 __all__ = [
+    "FLAVORS",
     "AttachedWeights",
     "Broker",
     "Fence",
@@ -29,6 +32,7 @@ __all__ = [
     "Member",
     "PeerEngine",
     "PeerLostError",
+    "RemoteEngine",
     "RemoteError",
     "SharedWeights",
     "attach_weights",

@@ -1,0 +1,233 @@
+"""A rollout engine in a server process, as an engine of this one: :class:`RemoteEngine`.
+
+``sleep(level)`` / ``wake(tags)`` / ``generate`` over HTTP, mapped onto the endpoints of each server:
+
+- ``rlmem``: ``POST /sleep {"level": L}``, ``POST /wake {"tags": [...] | null}``, ``POST /generate``
+  ``{"prompts", "max_new_tokens", ...}``, ``GET /health``;
+- ``vllm`` (its dev endpoints): ``POST /sleep?level=L``, ``POST /wake_up?tags=weights&tags=kv_cache``,
+  ``GET /is_sleeping``, ``POST /v1/completions``, ``POST /reset_prefix_cache``;
+- ``sglang``: ``POST /release_memory_occupation {"tags": null}``, ``POST /resume_memory_occupation
+  {"tags": [...] | null}``, ``POST /generate {"text", "sampling_params"}``, ``POST /flush_cache``.
+
+A release counts when the memory is back, not when the HTTP call returns (a server may answer before its
+memory is free): with ``device=`` on this machine, ``sleep`` then waits until the device's free memory has
+risen by what the last ``wake`` took (less 1/64 and 4 MiB), or, before any wake, until it stops rising;
+bounded, with :class:`~rlmem.colocate.FenceError`. Every request has a time-out; an error answer is raised
+as :class:`RemoteError` with the server's message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._units import MiB
+from ._device import mem_info
+from .member import FenceError, RemoteError
+
+__all__ = ["FLAVORS", "RemoteEngine"]
+
+FLAVORS = ("rlmem", "vllm", "sglang")
+_TAGS = ("weights", "kv_cache")
+_SETTLE_S = 0.05  # free memory unchanged this long: a release with nothing to compare to has ended
+_POLL = 0.002
+
+
+def _check_tags(tags: Sequence[str] | None) -> list[str] | None:
+    if tags is None:
+        return None
+    if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not tags:
+        raise ValueError(f"tags must be None or a non-empty list of {', '.join(_TAGS)}; got {tags!r}")
+    bad = [t for t in tags if t not in _TAGS]
+    if bad:
+        raise ValueError(f"tags: unknown tag(s) {bad}; allowed: {', '.join(_TAGS)}")
+    return list(tags)
+
+
+class RemoteEngine:
+    """An inference server (rlmem's, vLLM's or SGLang's) driven by the engine protocol.
+
+    Args:
+        url: the server, ``http://HOST:PORT``.
+        flavor: ``"rlmem"``, ``"vllm"`` or ``"sglang"``: whose endpoints it speaks.
+        token: sent as ``Authorization: Bearer TOKEN`` (vLLM's ``--api-key``, rlmem's ``--token``).
+        model: the model name vLLM's completions endpoint wants (default: the server's first).
+        device: the GPU the server shares with this process: ``sleep`` is fenced on its free memory.
+        timeout: seconds for each request, and for each fence.
+
+    Raises:
+        ValueError: a bad argument (the message names it).
+
+    Example:
+        >>> engine = RemoteEngine("http://127.0.0.1:30000", flavor="sglang", device="cuda:0")
+        >>> pm.add_engine(engine)   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        url: str,
+        flavor: str = "rlmem",
+        *,
+        token: str | None = None,
+        model: str | None = None,
+        device: str | torch.device | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        import httpx  # only where a server is talked to
+
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be http://HOST:PORT or https://..., got {url!r}")
+        if flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}, got {flavor!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.url, self.flavor, self.model, self.timeout = url.rstrip("/"), flavor, model, float(timeout)
+        self.device = None if device is None else torch.device(device)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout)
+        self._took: int | None = None  # device bytes the last wake took
+        self.last_fence: dict[str, Any] | None = None
+
+    # -- the engine protocol ----------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Give the server's device memory back (level 1: weights to host memory, KV cache discarded; 2:
+        both discarded), and with ``device`` wait until it is back.
+
+        Raises:
+            RemoteError: the server refused. FenceError: the memory did not come back in time.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        free0 = self._free()
+        if self.flavor == "vllm":
+            self._call("POST", "/sleep", params={"level": level})
+        elif self.flavor == "sglang":
+            self._call("POST", "/release_memory_occupation", json={"tags": None})
+        else:
+            self._call("POST", "/sleep", json={"level": level})
+        if free0 is not None:
+            self.last_fence = self._fence(free0)
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory again, by tag (``"weights"``, ``"kv_cache"``; None: all).
+
+        Raises:
+            RemoteError: the server refused (e.g. out of memory: its message says).
+        """
+        tags = _check_tags(tags)
+        free0 = self._free()
+        if self.flavor == "vllm":
+            self._call("POST", "/wake_up", params={"tags": tags} if tags else None)
+        elif self.flavor == "sglang":
+            self._call("POST", "/resume_memory_occupation", json={"tags": tags})
+        else:
+            self._call("POST", "/wake", json={"tags": tags})
+        if free0 is not None:
+            free1 = self._free()
+            assert free1 is not None
+            took = max(0, free0 - free1)
+            self._took = took if tags is None or self._took is None else self._took + took
+
+    def generate(
+        self, prompts: Sequence[str], *, max_new_tokens: int = 64, temperature: float = 0.0, **sampling: Any
+    ) -> list[str]:
+        """Completions of ``prompts``, in order (greedy by default)."""
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be a list of str")
+        if self.flavor == "vllm":
+            body = {"prompt": list(prompts), "max_tokens": max_new_tokens, "temperature": temperature}
+            body.update(sampling, model=self.model or self._first_model())
+            out = self._call("POST", "/v1/completions", json=body)
+            choices = sorted(out["choices"], key=lambda c: c["index"])
+            return [c["text"] for c in choices]
+        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, **sampling}
+        if self.flavor == "sglang":
+            out = self._call("POST", "/generate", json={"text": list(prompts), "sampling_params": params})
+            return [o["text"] for o in out]
+        out = self._call("POST", "/generate", json={"prompts": list(prompts), **params})
+        return list(out["completions"])
+
+    def is_sleeping(self) -> bool:
+        if self.flavor == "vllm":
+            return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
+        if self.flavor == "sglang":
+            raise NotImplementedError("SGLang's server has no endpoint telling whether it is released")
+        return bool(self._call("GET", "/health")["sleeping"])
+
+    def flush_cache(self) -> None:
+        """Drop the server's prefix cache (SGLang ``/flush_cache``, vLLM ``/reset_prefix_cache``)."""
+        path = {"sglang": "/flush_cache", "vllm": "/reset_prefix_cache", "rlmem": "/flush_cache"}
+        self._call("POST", path[self.flavor])
+
+    def health(self) -> bool:
+        """Whether the server answers ``GET /health`` with 200."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+    def _first_model(self) -> str:
+        models = self._call("GET", "/v1/models")["data"]
+        if not models:
+            raise RemoteError(f"{self.url} serves no model")
+        self.model = str(models[0]["id"])
+        return self.model
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        import httpx
+
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise ConnectionError(f"{method} {self.url}{path}: {e}") from e
+        if r.status_code >= 400:
+            try:
+                detail = r.json()
+            except ValueError:
+                detail = r.text[:500]
+            raise RemoteError(f"{method} {self.url}{path} answered {r.status_code}: {detail}")
+        if not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    def _free(self) -> int | None:
+        return None if self.device is None else mem_info(self.device)[0]
+
+    def _fence(self, free0: int) -> dict[str, Any]:
+        """Wait until the free memory has risen by what the last wake took, or, not knowing it, until it
+        has stopped rising."""
+        assert self.device is not None
+        t0 = time.monotonic()
+        want = None
+        if self._took:
+            want = self._took - min(self._took, self._took // 64 + 4 * MiB)
+        last, since = mem_info(self.device)[0], time.monotonic()
+        while True:
+            free = mem_info(self.device)[0]
+            rise = free - free0
+            now = time.monotonic()
+            if want is not None and rise >= want:
+                break
+            if free != last:
+                last, since = free, now
+            elif want is None and now - since >= _SETTLE_S:
+                break
+            if now - t0 > self.timeout:
+                raise FenceError(
+                    f"{self.flavor} server at {self.url}: after sleep the device's free memory rose "
+                    f"{max(0, rise) / 2**30:.2f} GiB of the {(want or 0) / 2**30:.2f} GiB its last wake "
+                    f"took, within {self.timeout:g} s"
+                )
+            time.sleep(_POLL)
+        self._took = None
+        return {"free_rise_bytes": max(0, rise), "expected_bytes": want, "seconds": time.monotonic() - t0}
