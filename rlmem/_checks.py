@@ -3,9 +3,13 @@ form per kind of misuse, naming the argument and what is allowed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_choice", "check_flag", "check_int"]
+__all__ = ["TAGS", "check_choice", "check_flag", "check_int", "check_tags"]
+
+# What an engine's wake(tags) takes, in the order it takes them (vLLM's and SGLang's tag names).
+TAGS = ("weights", "kv_cache")
 
 
 def check_flag(field: str, value: Any) -> bool:
@@ -39,3 +43,19 @@ def check_choice(field: str, value: Any, choices: tuple[Any, ...]) -> Any:
     if value not in choices or not any(type(value) is type(c) for c in choices):
         raise ValueError(f"{field} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
+
+
+def check_tags(tags: Sequence[str] | None, field: str = "tags") -> list[str] | None:
+    """``None`` (everything) or a non-empty list of known :data:`TAGS`, as given.
+
+    Raises:
+        ValueError: naming ``field`` and the allowed tags.
+    """
+    if tags is None:
+        return None
+    if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not tags:
+        raise ValueError(f"{field} must be None or a non-empty list of {', '.join(TAGS)}; got {tags!r}")
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown:
+        raise ValueError(f"{field}: unknown tag(s) {unknown}; allowed: {', '.join(TAGS)}")
+    return list(tags)

@@ -111,7 +111,8 @@ class Broker:
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None
         self._closed = False
-        self.events: list[tuple[float, str, dict[str, Any]]] = []  # (time, what, detail), for status
+        # The last 200 joins, grants, releases (with their fences) and departures: (time, what, detail).
+        self.events: list[tuple[float, str, dict[str, Any]]] = []
 
     def start(self) -> Broker:
         """Listen and serve on daemon threads; returns self."""

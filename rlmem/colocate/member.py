@@ -42,12 +42,17 @@ from . import wire
 from ._device import mem_info, synchronize
 from .broker import ROLES, default_path
 
-__all__ = ["Fence", "FenceError", "Grant", "Member", "PeerLostError", "RemoteError", "describe"]
+__all__ = [
+    "Fence",
+    "FenceError",
+    "Grant",
+    "Member",
+    "PeerLostError",
+    "RemoteError",
+    "describe",
+    "fence_bytes",
+]
 
-# What the device's free memory may fall short of the bytes a release let go (allocation granularity,
-# memory the driver or another library keeps): 1/64 of it, and 4 MiB.
-_SLACK_FRACTION = 64
-_SLACK = 4 * MiB
 _POLL = 0.001
 
 
@@ -91,6 +96,12 @@ class Grant(Result):
     waited_s: float
     free_bytes: int
     others: list[dict[str, Any]]
+
+
+def fence_bytes(let_go: int) -> int:
+    """The rise of the device's free memory that counts a release of ``let_go`` bytes as back: all of it
+    but 1/64 and 4 MiB (allocation granularity, memory the driver or another library keeps)."""
+    return let_go - min(let_go, let_go // 64 + 4 * MiB)
 
 
 def _gib(n: int) -> str:
@@ -258,7 +269,7 @@ class Member:
         t1 = time.perf_counter()
         synchronize(self.device)
         let_go = max(0, held0 - self._seen_bytes())
-        want = let_go - min(let_go, let_go // _SLACK_FRACTION + _SLACK)
+        want = fence_bytes(let_go)
         deadline = time.monotonic() + limit
         while (rise := mem_info(self.device)[0] - free0) < want:
             if time.monotonic() > deadline:

@@ -20,24 +20,18 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._checks import TAGS, check_tags
 from ..memory.region import Region
 from .member import Member
 from .weights import AttachedWeights, SharedWeights, attach_weights
 
 __all__ = ["PeerEngine", "serve_engine"]
 
-_TAGS = ("weights", "kv_cache")
-
 
 def _tags(tags: Sequence[str] | None) -> list[str]:
-    if tags is None:
-        return list(_TAGS)
-    if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not tags:
-        raise ValueError(f"tags must be None or a non-empty list of {', '.join(_TAGS)}; got {tags!r}")
-    bad = [t for t in tags if t not in _TAGS]
-    if bad:
-        raise ValueError(f"tags: unknown tag(s) {bad}; allowed: {', '.join(_TAGS)}")
-    return [t for t in _TAGS if t in tags]
+    """The tags asked for (None: all), in the order they are woken."""
+    asked = check_tags(tags)
+    return [t for t in TAGS if asked is None or t in asked]
 
 
 class PeerEngine:

@@ -24,27 +24,15 @@ from typing import Any
 
 import torch
 
-from .._units import MiB
+from .._checks import check_tags
 from ._device import mem_info
-from .member import FenceError, RemoteError
+from .member import FenceError, RemoteError, fence_bytes
 
 __all__ = ["FLAVORS", "RemoteEngine"]
 
 FLAVORS = ("rlmem", "vllm", "sglang")
-_TAGS = ("weights", "kv_cache")
 _SETTLE_S = 0.05  # free memory unchanged this long: a release with nothing to compare to has ended
 _POLL = 0.002
-
-
-def _check_tags(tags: Sequence[str] | None) -> list[str] | None:
-    if tags is None:
-        return None
-    if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not tags:
-        raise ValueError(f"tags must be None or a non-empty list of {', '.join(_TAGS)}; got {tags!r}")
-    bad = [t for t in tags if t not in _TAGS]
-    if bad:
-        raise ValueError(f"tags: unknown tag(s) {bad}; allowed: {', '.join(_TAGS)}")
-    return list(tags)
 
 
 class RemoteEngine:
@@ -117,7 +105,7 @@ class RemoteEngine:
         Raises:
             RemoteError: the server refused (e.g. out of memory: its message says).
         """
-        tags = _check_tags(tags)
+        tags = check_tags(tags)
         free0 = self._free()
         if self.flavor == "vllm":
             self._call("POST", "/wake_up", params={"tags": tags} if tags else None)
@@ -208,9 +196,7 @@ class RemoteEngine:
         has stopped rising."""
         assert self.device is not None
         t0 = time.monotonic()
-        want = None
-        if self._took:
-            want = self._took - min(self._took, self._took // 64 + 4 * MiB)
+        want = fence_bytes(self._took) if self._took else None
         last, since = mem_info(self.device)[0], time.monotonic()
         while True:
             free = mem_info(self.device)[0]

@@ -10,12 +10,12 @@ synced again on waking), as vLLM's ``sleep(level)`` / ``wake_up(tags)`` and SGLa
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TAGS", "check_tags", "sleep", "takes"]
+from .._checks import TAGS, check_tags
 
-TAGS = ("weights", "kv_cache")
+__all__ = ["TAGS", "check_tags", "sleep", "takes"]
 
 
 def takes(fn: Callable[..., Any], name: str) -> bool:
@@ -27,22 +27,6 @@ def takes(fn: Callable[..., Any], name: str) -> bool:
     named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     anything = inspect.Parameter.VAR_KEYWORD
     return any(p.kind is anything or (p.name == name and p.kind in named) for p in params)
-
-
-def check_tags(tags: Sequence[str] | None, field: str = "tags") -> list[str] | None:
-    """``None`` (everything) or a non-empty list of known tags.
-
-    Raises:
-        ValueError: naming ``field`` and the allowed tags.
-    """
-    if tags is None:
-        return None
-    if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not tags:
-        raise ValueError(f"{field} must be None or a non-empty list of {', '.join(TAGS)}; got {tags!r}")
-    unknown = [t for t in tags if t not in TAGS]
-    if unknown:
-        raise ValueError(f"{field}: unknown tag(s) {unknown}; allowed: {', '.join(TAGS)}")
-    return list(tags)
 
 
 def sleep(engine: Any, level: int) -> None:
