@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="run a benchmark (rlmem bench NAME --help for its options)")
     b.add_argument("name", choices=_BENCHES, help="which benchmark")
     sub.add_parser("train", help="co-located GRPO (rlmem train --help for its options)", add_help=False)
+    sub.add_parser("serve", help="a rollout server (rlmem serve MODEL --help)", add_help=False)
     sub.add_parser("plan", help="memory estimate and which options fit (rlmem plan --help)", add_help=False)
     sub.add_parser("colocate", help="processes sharing one GPU: status (the ledger), broker", add_help=False)
     r = sub.add_parser("report", help="re-print a run's memory table and re-draw its plot")
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(f".benchmarks.{argv[1]}", __package__).main(argv[2:])
+    if argv[0] == "serve":
+        from .serve.main import main as main_serve
+
+        return main_serve(argv[1:])
     if argv[0] == "colocate":
         from .colocate.status import main as main_colocate
 

@@ -18,7 +18,7 @@ Imports :mod:`rlmem.memory`, nothing above it.
 from . import wire
 from .broker import Broker, default_path
 from .member import Fence, FenceError, Grant, Member, PeerLostError, RemoteError, describe
-from .peer import PeerEngine, serve_engine
+from .peer import EngineSeat, PeerEngine, serve_engine
 from .remote import FLAVORS, RemoteEngine
 from .weights import AttachedWeights, SharedWeights, attach_weights
 
@@ -26,6 +26,7 @@ __all__ = [
     "FLAVORS",
     "AttachedWeights",
     "Broker",
+    "EngineSeat",
     "Fence",
     "FenceError",
     "Grant",

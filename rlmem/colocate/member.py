@@ -268,8 +268,10 @@ class Member:
             work()
         t1 = time.perf_counter()
         synchronize(self.device)
-        let_go = max(0, held0 - self._seen_bytes())
-        want = fence_bytes(let_go)
+        delta = held0 - self._seen_bytes()  # negative if it took more than it gave back since the mark
+        let_go = max(0, delta)
+        # Taken since the mark (a rollout copy mapped again) lowers what the free memory may show.
+        want = fence_bytes(let_go) if delta >= 0 else delta - (-delta // 64 + 4 * MiB)
         deadline = time.monotonic() + limit
         while (rise := mem_info(self.device)[0] - free0) < want:
             if time.monotonic() > deadline:

@@ -25,7 +25,7 @@ from ..memory.region import Region
 from .member import Member
 from .weights import AttachedWeights, SharedWeights, attach_weights
 
-__all__ = ["PeerEngine", "serve_engine"]
+__all__ = ["EngineSeat", "PeerEngine", "serve_engine"]
 
 
 def _tags(tags: Sequence[str] | None) -> list[str]:
@@ -130,6 +130,84 @@ class PeerEngine:
         self.call("stop")
 
 
+class EngineSeat:
+    """The rollout side of :class:`PeerEngine`'s protocol for ``engine`` (``sleep(level)``, ``wake(tags)``,
+    optionally ``attach_weights(weights)``): the handlers :func:`serve_engine` answers the broker's calls
+    with, callable as well from another front of the same process (``rlmem serve``'s HTTP endpoints), so
+    that every way in releases fenced and acquires admitted.
+
+    Args:
+        member: this process's :class:`Member` (role ``"rollout"``).
+        engine: the engine.
+        track: Regions (or callables giving them) to report by category, e.g. ``{"kv_cache": region}``.
+    """
+
+    def __init__(
+        self, member: Member, engine: Any, track: dict[str, Region | Callable[[], Any]] | None = None
+    ) -> None:
+        self.member, self.engine = member, engine
+        for cat, regions in (track or {}).items():
+            member.track(cat, regions)
+        self.weights: AttachedWeights | None = None
+        member.on_peer_lost(self._owner_lost)
+
+    def _owner_lost(self, entry: dict[str, Any]) -> None:
+        if self.weights is not None and entry.get("role") == "train":
+            self.weights.owner_lost(entry)
+
+    def attach(self, fds: list[int], weights: dict[str, Any]) -> dict[str, Any]:
+        """Map the trainer's weights (``weights``: its :meth:`SharedWeights.export` spec) and hand them to
+        the engine's ``attach_weights``."""
+        if self.weights is not None:
+            self.weights.close()
+        w = self.weights = attach_weights(weights, fds)
+        self.member.track("weights", w.region)
+        if callable(getattr(self.engine, "attach_weights", None)):
+            self.engine.attach_weights(w)
+        return {"tensors": len(w.tensors), "bytes": w.region.used_bytes}
+
+    def wake(self, fds: list[int], tags: list[str] | None, weights: dict[str, Any] | None = None) -> Any:
+        """``"weights"``: map them again (after a level-2 sleep, from the spec sent) and wake the engine's;
+        ``"kv_cache"``: acquire (admitted by the broker), then the engine takes its cache."""
+        tags = _tags(tags)
+        out = None
+        if "weights" in tags:
+            w = self.weights
+            if weights is not None and w is not None and w.region.paused:
+                w.reattach(weights, fds)
+            self.engine.wake(tags=["weights"])
+        if "kv_cache" in tags:
+            out = self.member.acquire().as_dict()
+            self.engine.wake(tags=["kv_cache"])
+        return out
+
+    def sleep(self, fds: list[int], level: int) -> dict[str, Any]:
+        """The engine's sleep, then (level 2) the weights unmapped: one fenced release."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+
+        def work() -> None:
+            self.engine.sleep(level)
+            if level == 2 and self.weights is not None:
+                self.weights.pause()
+
+        return self.member.release(work).as_dict()
+
+    def handlers(self, methods: Sequence[str] = ()) -> dict[str, Callable[..., Any]]:
+        """``attach_weights``, ``wake``, ``sleep``, and ``methods`` of the engine (JSON in and out)."""
+        out: dict[str, Callable[..., Any]] = {
+            "attach_weights": self.attach,
+            "wake": self.wake,
+            "sleep": self.sleep,
+        }
+        for m in methods:
+            fn = getattr(self.engine, m, None)
+            if not callable(fn):
+                raise ValueError(f"methods: the engine has no method {m!r}")
+            out[m] = lambda fds, _fn=fn, **kw: _fn(**kw)
+        return out
+
+
 def serve_engine(
     member: Member,
     engine: Any,
@@ -155,52 +233,8 @@ def serve_engine(
     Raises:
         PeerLostError: the broker went away.
     """
-    for cat, regions in (track or {}).items():
-        member.track(cat, regions)
-    state: dict[str, AttachedWeights] = {}
-
-    def owner_lost(entry: dict[str, Any]) -> None:
-        if "weights" in state and entry.get("role") == "train":
-            state["weights"].owner_lost(entry)
-
-    member.on_peer_lost(owner_lost)
-
-    def attach(fds: list[int], weights: dict[str, Any]) -> dict[str, Any]:
-        if "weights" in state:
-            state["weights"].close()
-        w = state["weights"] = attach_weights(weights, fds)
-        member.track("weights", w.region)
-        if callable(getattr(engine, "attach_weights", None)):
-            engine.attach_weights(w)
-        return {"tensors": len(w.tensors), "bytes": w.region.used_bytes}
-
-    def wake(fds: list[int], tags: list[str], weights: dict[str, Any] | None = None) -> Any:
-        tags = _tags(tags)
-        out = None
-        if "weights" in tags:
-            w = state.get("weights")
-            if weights is not None and w is not None and w.region.paused:
-                w.reattach(weights, fds)
-            engine.wake(tags=["weights"])
-        if "kv_cache" in tags:
-            out = member.acquire().as_dict()
-            engine.wake(tags=["kv_cache"])
-        return out
-
-    def sleep(fds: list[int], level: int) -> dict[str, Any]:
-        def work() -> None:
-            engine.sleep(level)
-            if level == 2 and "weights" in state:
-                state["weights"].pause()
-
-        return member.release(work).as_dict()
-
-    handlers: dict[str, Callable[..., Any]] = {"attach_weights": attach, "wake": wake, "sleep": sleep}
-    for m in methods:
-        fn = getattr(engine, m, None)
-        if not callable(fn):
-            raise ValueError(f"methods: the engine has no method {m!r}")
-        handlers[m] = lambda fds, _fn=fn, **kw: _fn(**kw)
+    seat = EngineSeat(member, engine, track)
+    handlers = seat.handlers(methods)
     # The weights stay mapped when serving ends (the engine has them; a dead owner's last sync stays
     # readable through the Region): ``engine.weights.close()`` lets them go.
     return member.serve(handlers, idle_timeout=idle_timeout, until=until)

@@ -9,6 +9,11 @@
 - ``sglang``: ``POST /release_memory_occupation {"tags": null}``, ``POST /resume_memory_occupation
   {"tags": [...] | null}``, ``POST /generate {"text", "sampling_params"}``, ``POST /flush_cache``.
 
+With ``member=`` (the rlmem flavor; ``rlmem serve --broker``), the memory handoff goes through the device's
+broker instead: ``sleep`` / ``wake`` are :class:`~rlmem.colocate.PeerEngine`'s (the server's fenced release
+checked through the ledger, this process's admitted acquire; the trainer's :class:`SharedWeights` mapped by
+the server by descriptor), and generation stays on HTTP.
+
 A release counts when the memory is back, not when the HTTP call returns (a server may answer before its
 memory is free): with ``device=`` on this machine, ``sleep`` then waits until the device's free memory has
 risen by what the last ``wake`` took (less 1/64 and 4 MiB), or, before any wake, until it stops rising;
@@ -26,7 +31,9 @@ import torch
 
 from .._checks import check_tags
 from ._device import mem_info
-from .member import FenceError, RemoteError, fence_bytes
+from .member import FenceError, Member, RemoteError, fence_bytes
+from .peer import PeerEngine
+from .weights import SharedWeights
 
 __all__ = ["FLAVORS", "RemoteEngine"]
 
@@ -39,12 +46,15 @@ class RemoteEngine:
     """An inference server (rlmem's, vLLM's or SGLang's) driven by the engine protocol.
 
     Args:
-        url: the server, ``http://HOST:PORT``.
+        url: the server, ``http://HOST:PORT``, or ``unix:///PATH`` for one on a Unix socket.
         flavor: ``"rlmem"``, ``"vllm"`` or ``"sglang"``: whose endpoints it speaks.
         token: sent as ``Authorization: Bearer TOKEN`` (vLLM's ``--api-key``, rlmem's ``--token``).
         model: the model name vLLM's completions endpoint wants (default: the server's first).
         device: the GPU the server shares with this process: ``sleep`` is fenced on its free memory.
         timeout: seconds for each request, and for each fence.
+        member: this process's seat at the broker the server joined (``rlmem serve --broker``): sleep and
+            wake go through it (see the module docstring). The rlmem flavor only.
+        weights: with ``member``, the rollout copy the server samples from (mapped there, not copied).
 
     Raises:
         ValueError: a bad argument (the message names it).
@@ -63,21 +73,36 @@ class RemoteEngine:
         model: str | None = None,
         device: str | torch.device | None = None,
         timeout: float = 120.0,
+        member: Member | None = None,
+        weights: SharedWeights | None = None,
     ) -> None:
         import httpx  # only where a server is talked to
 
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"url must be http://HOST:PORT or https://..., got {url!r}")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://", "unix:///")):
+            raise ValueError(f"url must be http://HOST:PORT, https://... or unix:///PATH, got {url!r}")
         if flavor not in FLAVORS:
             raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}, got {flavor!r}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if member is not None and flavor != "rlmem":
+            raise ValueError(f"member: only rlmem's server joins a broker, not flavor {flavor!r}")
+        if weights is not None and member is None:
+            raise ValueError("weights are shared through the broker: give member= too")
         self.url, self.flavor, self.model, self.timeout = url.rstrip("/"), flavor, model, float(timeout)
         self.device = None if device is None else torch.device(device)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout)
+        if url.startswith("unix://"):
+            transport = httpx.HTTPTransport(uds=url.removeprefix("unix://"))
+            self._http = httpx.Client(
+                base_url="http://rlmem", headers=headers, timeout=self.timeout, transport=transport
+            )
+        else:
+            self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout)
         self._took: int | None = None  # device bytes the last wake took
         self.last_fence: dict[str, Any] | None = None
+        self.peer: PeerEngine | None = None
+        if member is not None:
+            self.peer = PeerEngine(member, weights=weights, timeout=self.timeout)
 
     # -- the engine protocol ----------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -89,6 +114,10 @@ class RemoteEngine:
         """
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if self.peer is not None:
+            self.peer.sleep(level)
+            self.last_fence = self.peer.last_peer_fence
+            return
         free0 = self._free()
         if self.flavor == "vllm":
             self._call("POST", "/sleep", params={"level": level})
@@ -106,6 +135,9 @@ class RemoteEngine:
             RemoteError: the server refused (e.g. out of memory: its message says).
         """
         tags = check_tags(tags)
+        if self.peer is not None:
+            self.peer.wake(tags)
+            return
         free0 = self._free()
         if self.flavor == "vllm":
             self._call("POST", "/wake_up", params={"tags": tags} if tags else None)
@@ -120,11 +152,29 @@ class RemoteEngine:
             self._took = took if tags is None or self._took is None else self._took + took
 
     def generate(
-        self, prompts: Sequence[str], *, max_new_tokens: int = 64, temperature: float = 0.0, **sampling: Any
-    ) -> list[str]:
-        """Completions of ``prompts``, in order (greedy by default)."""
-        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
-            raise ValueError("prompts must be a list of str")
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        **sampling: Any,
+    ) -> list[str] | list[list[int]]:
+        """Completions of ``prompts``, in order (greedy by default): text for text prompts; token ids for
+        token-id prompts (the rlmem flavor), as :meth:`HFSampler.generate` returns them.
+
+        Raises:
+            ValueError: prompts neither all text nor all token ids. RemoteError: the server refused.
+        """
+        if isinstance(prompts, str):
+            raise ValueError("prompts must be a list of str, or of token-id lists")
+        if prompts and all(isinstance(p, (list, tuple)) for p in prompts):
+            if self.flavor != "rlmem":
+                raise ValueError(f"token-id prompts need flavor='rlmem' (this one is {self.flavor!r})")
+            body = {"input_ids": [[int(t) for t in p] for p in prompts], "max_new_tokens": max_new_tokens}
+            out = self._call("POST", "/generate", json={**body, "temperature": temperature, **sampling})
+            return [list(o) for o in out["output_ids"]]
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be a list of str, or of token-id lists")
         if self.flavor == "vllm":
             body = {"prompt": list(prompts), "max_tokens": max_new_tokens, "temperature": temperature}
             body.update(sampling, model=self.model or self._first_model())
@@ -137,6 +187,26 @@ class RemoteEngine:
             return [o["text"] for o in out]
         out = self._call("POST", "/generate", json={"prompts": list(prompts), **params})
         return list(out["completions"])
+
+    def update_weights_from_tensor(self, named: Any) -> dict[str, Any]:
+        """Send ``named`` tensors (a mapping or ``(name, tensor)`` pairs) by handle (CUDA IPC, or shared
+        memory on the host): the server copies them into its weights by name before answering, so they
+        may change once this returns. The rlmem flavor (vLLM's and SGLang's take pickled tensors).
+
+        Raises:
+            ValueError: another flavor. RemoteError: the server refused (an unknown name, another shape).
+        """
+        if self.flavor != "rlmem":
+            raise ValueError(f"update_weights_from_tensor: the rlmem flavor only, not {self.flavor!r}")
+        from .ipc import share_tensors
+
+        return self._call("POST", "/update_weights_from_tensor", json={"tensors": share_tensors(named)})
+
+    def stats(self) -> dict[str, Any]:
+        """rlmem's server: the cache's shape and what the process holds (``GET /memory``)."""
+        if self.flavor != "rlmem":
+            raise ValueError(f"stats: the rlmem flavor only, not {self.flavor!r}")
+        return self._call("GET", "/memory")
 
     def is_sleeping(self) -> bool:
         if self.flavor == "vllm":

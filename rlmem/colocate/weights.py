@@ -11,6 +11,7 @@ values at the same addresses.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ class SharedWeights:
         dtype: the copy's dtype (default: each parameter's own).
         device: where the copy lives (default: the model's first parameter's device).
         name: the Region's label.
+        buffers: share the model's buffers too, each in its own dtype (e.g. rotary tables): the other
+            process can then run a model built on the meta device, with no memory of its own.
 
     Example:
         >>> w = SharedWeights(model, torch.bfloat16)
@@ -55,21 +58,24 @@ class SharedWeights:
         *,
         device: str | torch.device | None = None,
         name: str = "weights",
+        buffers: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-        self.model = model
+        self.model, self.buffers = model, bool(buffers)
         named = dict(model.named_parameters())
         if not named:
             raise ValueError("model has no parameters to share")
         dev = torch.device(device) if device is not None else next(iter(named.values())).device
-        size = sum(round_up(p.numel() * (dtype or p.dtype).itemsize, _ALIGN) for p in named.values())
+        dtypes = {n: dtype or p.dtype for n, p in named.items()}
+        shapes = {n: p.shape for n, p in named.items()}
+        for n, b in model.named_buffers() if self.buffers else ():
+            dtypes[n], shapes[n] = b.dtype, b.shape
+        size = sum(round_up(math.prod(shapes[n]) * dt.itemsize, _ALIGN) for n, dt in dtypes.items())
         self.region = Region(size, dev, name=name, shareable=True)
-        self.tensors = {
-            n: self.region.empty(p.shape, dtype or p.dtype, align=_ALIGN) for n, p in named.items()
-        }
+        self.tensors = {n: self.region.empty(shapes[n], dt, align=_ALIGN) for n, dt in dtypes.items()}
         self.sync()
 
     @torch.no_grad()
@@ -84,6 +90,8 @@ class SharedWeights:
             raise RuntimeError(f"SharedWeights {self.region.name!r} is paused: resume it before sync()")
         for n, p in self.model.named_parameters():
             self.tensors[n].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        for n, b in self.model.named_buffers() if self.buffers else ():
+            self.tensors[n].copy_(b)
         if self.region.device.type == "cuda":
             torch.cuda.current_stream(self.region.device).synchronize()
 

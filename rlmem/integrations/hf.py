@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +84,13 @@ class HFSampler:
             on each rank, gathered at each sync, and the rollout runs an unsharded twin of the model over
             it: no communication while sampling, and the CUDA graphs are captured once (over FSDP's own
             gathered weights they would be captured again at every rollout, which gathers them anew).
+        weights: run the model over these tensors, by name, instead of its own parameters: e.g. another
+            process's :class:`~rlmem.colocate.SharedWeights` mapped here (``AttachedWeights.tensors``),
+            updated in place by their owner (``sync_weights()`` does nothing). The model may then be built
+            on the meta device, with no memory of its own, if ``weights`` has its buffers too. See
+            :meth:`use_weights`.
+        asleep: start asleep: the KV cache's addresses reserved, no memory taken until ``wake()`` (for a
+            process that makes its sampler before it is given the device).
 
     Raises:
         ValueError: a size is not positive, the budget holds less than one sequence, ``kv_block`` is not a
@@ -106,6 +113,8 @@ class HFSampler:
         fused: str = "auto",
         kv_block: int | None = None,
         name: str = "kv-cache",
+        weights: Mapping[str, torch.Tensor] | None = None,
+        asleep: bool = False,
     ) -> None:
         from transformers import StaticCache
 
@@ -119,7 +128,11 @@ class HFSampler:
             kv_block = round_up(-(-max_len // 8), 64)
         elif not isinstance(kv_block, int) or kv_block < 8 or kv_block % 8:
             raise ValueError(f"kv_block must be a positive multiple of 8 or None, got {kv_block!r}")
+        if weights is not None and rollout_dtype is not None:
+            raise ValueError("weights and rollout_dtype exclude each other: the weights are the rollout copy")
         param = next(model.parameters())
+        if weights is not None:  # the model's own parameters may be on the meta device
+            param = _first_param(model, weights)
         device = param.device
         if cuda_graphs == "on" and device.type != "cuda":
             raise ValueError(f"cuda_graphs='on' needs a model on a CUDA device; this one is on {device}")
@@ -158,13 +171,16 @@ class HFSampler:
         # it without FSDP's hooks, whose parameters are the copy's full tensors (see ``_twin``).
         self._runner: nn.Module = model
         self._state: dict[str, torch.Tensor] = {}  # what functional_call runs it over: the copy (+ buffers)
+        self._external = False  # the weights are someone else's (``weights=``): nothing to sync
+        if weights is not None:
+            self.use_weights(weights)
         if rollout_dtype is not None:
             named = dict(model.named_parameters())  # tied parameters once: functional_call ties them back
             buffers: dict[str, torch.Tensor] = {}
             if _sharded(model):
                 self._runner = _twin(model)
                 buffers = dict(model.named_buffers())
-                _check_covers(self._runner, {**named, **buffers})
+                _check_covers(self._runner, {**named, **buffers}, "rollout_dtype: the sharded model's")
             size = sum(round_up(p.numel() * rollout_dtype.itemsize, 256) for p in named.values())
             self.weights_region = Region(size, device, name=f"{name}/weights")
             self.weights = {n: self.weights_region.empty(p.shape, rollout_dtype) for n, p in named.items()}
@@ -181,13 +197,14 @@ class HFSampler:
             ((batch_size, *t.shape[1:]), t.dtype) for layer in layers for t in (layer.keys, layer.values)
         ]
         nbytes = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in shapes)
-        self.region = Region(nbytes + 256 * len(shapes), device, name=name)
+        self.region = Region(nbytes + 256 * len(shapes), device, name=name, paused=bool(asleep))
         views = [self.region.empty(s, d) for s, d in shapes]
         for i, layer in enumerate(layers):
             layer.keys, layer.values = views[2 * i], views[2 * i + 1]
             if hasattr(layer, "batch_size"):
                 layer.batch_size = batch_size
-        self.cache.reset()
+        if not asleep:  # asleep, nothing is mapped there yet (each batch resets the cache anyway)
+            self.cache.reset()
         self.tokens_generated = 0
         # CUDA graphs captured so far: one per rows and length bucket, again only if the weights move
         self.captures = 0
@@ -203,6 +220,36 @@ class HFSampler:
     def kv_bytes(self) -> int:
         return self.region.nbytes
 
+    def memory(self) -> dict[str, int]:
+        """Device bytes the sampler holds now, by category: ``kv_cache``, ``cuda_graphs`` (their pool) and
+        ``rollout_weights`` (its own copy)."""
+        own = self.weights_region.resident_bytes if self.weights_region is not None else 0
+        return {
+            "kv_cache": self.region.resident_bytes,
+            "cuda_graphs": self.graph_pool_bytes,
+            "rollout_weights": own,
+        }
+
+    def use_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Sample from ``weights`` (by parameter and buffer name) from now on; the model's own buffers fill
+        in those missing. The CUDA graphs are captured again on next use if the addresses differ.
+
+        Raises:
+            ValueError: a parameter or buffer missing, of another shape, or on the meta device; or the
+                sampler has a rollout copy of its own.
+        """
+        if self.weights_region is not None:
+            raise ValueError("this sampler samples from its own rollout copy (rollout_dtype)")
+        if not isinstance(weights, Mapping) or not weights:
+            raise ValueError("weights must be a non-empty mapping of name -> tensor")
+        own = {n: b for n, b in self.model.named_buffers() if b.device.type != "meta"}
+        state = {**own, **weights}
+        _check_covers(self.model, state, "weights")
+        meta = [n for n, t in state.items() if t.device.type == "meta"]
+        if meta:
+            raise ValueError(f"weights: {meta[0]!r} is on the meta device (it has no data)")
+        self.weights, self._state, self._external = dict(weights), state, True
+
     @torch.no_grad()
     def sync_weights(self) -> None:
         """Copy the model's parameters into the rollout copy (``rollout_dtype``); nothing without one.
@@ -214,7 +261,7 @@ class HFSampler:
         Raises:
             RuntimeError: the copy is asleep (``wake(["weights"])`` first).
         """
-        if self.weights is None:
+        if self.weights is None or self._external:
             return
         assert self.weights_region is not None
         if self.weights_region.paused:
@@ -415,7 +462,8 @@ class HFSampler:
         # (most of a capture's time when the buckets are captured in a row).
         side.wait_stream(torch.cuda.current_stream(self.region.device))
         with torch.cuda.stream(side):
-            graph.capture_begin(pool=self._pool)
+            # thread_local: another thread of the process (a server's) may call the driver meanwhile
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 d.logits.copy_(self._forward(d.ids, mask, d.pos))
             finally:
@@ -627,16 +675,28 @@ def _twin(model: nn.Module) -> nn.Module:
     return twin.eval()
 
 
-def _check_covers(twin: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Every parameter and buffer of the twin is in ``state`` with its shape (anything else would stay on
+def _check_covers(model: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> None:
+    """Every parameter and buffer of ``model`` is in ``state`` with its shape (anything else would stay on
     the meta device, with no data)."""
-    for n, t in (*twin.named_parameters(), *twin.named_buffers()):
+    for n, t in (*model.named_parameters(), *model.named_buffers()):
         got = state.get(n)
         if got is None or tuple(got.shape) != tuple(t.shape):
             raise ValueError(
-                f"rollout_dtype: the sharded model's {n!r} does not match its unsharded twin's "
+                f"{what} {n!r} does not match the model's "
                 f"({None if got is None else tuple(got.shape)} vs {tuple(t.shape)})"
             )
+
+
+def _first_param(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor ``weights`` holds for the model's first parameter (its device and dtype are the
+    sampler's)."""
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"weights must be a mapping of name -> tensor, got {type(weights).__name__}")
+    name = next(n for n, _ in model.named_parameters())
+    t = weights.get(name)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"weights has no tensor for the model's parameter {name!r}")
+    return t
 
 
 class _Decode:

@@ -206,6 +206,8 @@ class Region:
         name: a label for errors, stats and reports.
         shareable: make the memory exportable, so that another process can map it
             (:meth:`export`, :meth:`attach`; see :mod:`rlmem.memory.sharing`).
+        paused: start paused, with nothing kept: the addresses reserved, no memory taken until
+            :meth:`resume` (for a process that lays out its memory before it is given the device).
 
     Raises:
         ValueError: an argument is out of range.
@@ -233,9 +235,11 @@ class Region:
         chunk_bytes: int | None = None,
         name: str = "",
         shareable: bool = False,
+        paused: bool = False,
     ) -> None:
         check_flag("shareable", shareable)
-        self._build(nbytes, device, chunk_bytes, name, shareable, None)
+        check_flag("paused", paused)
+        self._build(nbytes, device, chunk_bytes, name, shareable, None, paused)
 
     def _build(
         self,
@@ -245,6 +249,7 @@ class Region:
         name: str,
         shareable: bool,
         files: tuple[SharedLayout, list[int]] | None,
+        paused: bool = False,
     ) -> None:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
@@ -274,17 +279,17 @@ class Region:
         self._generation = 0 if files is None else files[0].generation
         backend.open(capacity)
         try:
-            if files is None:
-                self._map_chunks(range(len(self._chunks)), what="Region()")
-            else:
+            if files is not None:
                 self._map_files(*files)
+            elif not paused:
+                self._map_chunks(range(len(self._chunks)), what="Region()")
         except BaseException:
             backend.destroy()  # no tensor exists yet: the address range can go at once
             raise
-        self._state = [_MAPPED] * len(self._chunks)
+        self._state = [_EMPTY if paused else _MAPPED] * len(self._chunks)
         self._ptr = backend.ptr
         self._used = 0 if files is None else files[0].used_bytes
-        self._paused = False
+        self._paused = paused
         self._backup: HostBuffer | None = None
         self._views: dict[tuple, torch.Tensor] = {}  # host views of the backup, see _view_of_backup
         self._op: Handle | None = None  # a non-blocking pause/resume whose worker may still run

@@ -31,6 +31,9 @@ PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
 ROLLOUT_DTYPES = {None: None, "bf16": "bfloat16", "fp16": "float16"}
 
 
+ENGINES = ("local", "server")
+
+
 @dataclass(kw_only=True)
 class GRPOConfig:
     """Everything a run takes; the YAML keys and ``key=value`` overrides of ``rlmem train``.
@@ -91,6 +94,13 @@ class GRPOConfig:
         overlap_offload: with offload on, the optimizer states' copies to host memory go on while the
             rollout's prefill runs, as far as the memory the previous rollout took allows
             (:class:`rlmem.OffloadConfig` ``overlap_offload``); off: the rollout starts once they are done.
+        engine: ``"local"`` (the sampler in this process) or ``"server"``: ``rlmem serve`` in a process of its
+            own on the same GPU samples from this process's rollout copy of the policy (shared, not copied:
+            ``rollout_dtype``, else the training dtype), handing the device over through a broker at each
+            phase switch; its memory shows in the timeline and the table as ``server_*``. One GPU, one rank.
+        engine_url: with ``engine=server``, a server already running (``rlmem serve --weights shared
+            --broker PATH``, e.g. ``unix:///PATH`` or ``http://127.0.0.1:PORT``) instead of starting one;
+            it must have joined a broker this process can reach (its ``/health`` says where).
         out_dir: where the log, timeline, table and plot go.
         progress: draw a progress bar on a terminal.
         plot: write ``memory.png`` at the end (needs matplotlib).
@@ -140,6 +150,8 @@ class GRPOConfig:
     gradient_checkpointing: bool = False
     comms: str = "keep"
     overlap_offload: bool = False
+    engine: str = "local"
+    engine_url: str | None = None
     out_dir: str = "runs/grpo"
     progress: bool = True
     plot: bool = True
@@ -178,6 +190,14 @@ class GRPOConfig:
         need("rollout_dtype", known, "None, 'bf16' or 'fp16'")
         need("offload", self.offload in (None, True, False), "true, false or null (auto)")
         need("comms", self.comms in ("keep", "suspend"), "'keep' or 'suspend'")
+        need("engine", self.engine in ENGINES, "'local' or 'server'")
+        eu = self.engine_url
+        need(
+            "engine_url",
+            eu is None or (isinstance(eu, str) and eu.startswith(("http://", "https://", "unix:///"))),
+            "None or a URL (http://HOST:PORT or unix:///PATH)",
+        )
+        need("engine_url", eu is None or self.engine == "server", "unset unless engine=server")
         mt = self.max_tokens_per_micro_batch
         need("max_tokens_per_micro_batch", mt is None or (is_int(mt) and mt >= 1), "None or an int >= 1")
         need(

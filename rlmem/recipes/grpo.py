@@ -39,6 +39,7 @@ from .prompts import PromptSource, make_prompts
 from .report import banner, report
 from .runlog import RunLog, StepResult, track
 from .runtime import Runtime, StopRequest, setup
+from .served import EngineLostError
 from .yaml_config import load
 
 __all__ = ["GRPOConfig", "main", "report", "run"]
@@ -113,6 +114,16 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
     say = echo if rt.lead else (lambda *a, **k: None)
     prompts = make_prompts(cfg, say)
     policy = Policy(cfg, rt, prompts)
+    try:
+        return _train(cfg, rt, prompts, policy, say, t_run)
+    finally:
+        policy.close()  # a server this run started stops, whatever ended the run
+
+
+def _train(
+    cfg: GRPOConfig, rt: Runtime, prompts: PromptSource, policy: Policy, say: Any, t_run: float
+) -> Any:
+    """The loop of :func:`run`, once its policy is built."""
     model, opt = policy.model, policy.opt
     rng = random.Random(cfg.seed)
     start = _resume(cfg, policy, prompts, rng, rt, say)
@@ -134,6 +145,7 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
     say(banner(cfg, policy.n_params, rt.world, rt.device, rt.precision, policy.offload))
     saved_at = start if cfg.resume is not None and start else None
     done, updating, interrupted = start, False, False
+    lost: EngineLostError | None = None
     stop = StopRequest(say)  # Ctrl-C finishes the step in flight, then saves; a second one stops at once
     # Only now: a run refused above has written nothing over an earlier one.
     with RunLog(cfg, rt, start, say, t0=t_run) as log:
@@ -219,17 +231,23 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
                     break
         except KeyboardInterrupt:
             interrupted = True
+        except EngineLostError as e:  # the state is intact (on the device or in host memory): save it
+            interrupted, lost = True, e
+            say(f"{e}\nending the run after step {done}")
         finally:
             stop.restore()
         if cfg.save_every != 0 and done and saved_at != done:
             if interrupted and updating:
                 say(f"interrupted during an update: step {done + 1} is lost; no checkpoint written for it")
             else:
-                say(f"checkpoint: {save(done)}")
+                say(f"checkpoint: {save(done)}" + ("; resume=auto goes on from it" if lost else ""))
         if not interrupted and cfg.eval_every and done > start:
             log.eval(done, _evaluate(policy, prompts, rt, tl, done))
+        policy.close()  # before the summary: the server's last report is in the ledger's final samples
     summary = log.finish(tl, policy.offload, done=done, interrupted=interrupted)
     tl.check_leaks()
+    if lost is not None:
+        raise lost
     if interrupted:
         raise KeyboardInterrupt
     return summary
@@ -394,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     except checkpoint.CheckpointError as e:
         print(f"rlmem train: error: {e}", file=sys.stderr)
         return 4
+    except EngineLostError as e:
+        print(f"rlmem train: error: {e}", file=sys.stderr)
+        return 5
     except torch.OutOfMemoryError as e:
         print(
             f"rlmem train: out of device memory: {e}\n  try offload=true, a smaller kv_budget or "

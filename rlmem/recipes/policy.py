@@ -24,6 +24,7 @@ from . import gguf
 from .config import ROLLOUT_DTYPES, TINY, GRPOConfig, is_fraction
 from .prompts import PromptSource
 from .runtime import Runtime, offload
+from .served import SERVER_CATEGORIES, ServerRollout
 
 __all__ = ["Policy", "build_policy", "materialize_optimizer_state"]
 
@@ -98,10 +99,11 @@ class Policy:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         materialize_optimizer_state(self.opt)
-        self.own_copy = cfg.rollout_dtype is not None
+        # The rollout samples from a copy of its own (``rollout_dtype``, or the server's shared one).
+        self.own_copy = cfg.rollout_dtype is not None or cfg.engine == "server"
         self.pm = PhaseManager(model, self.opt)  # disabled until manage_memory()
         self.ref_state: TrainState | None = None
-        self.engine: HFSampler | None = None
+        self.engine: HFSampler | ServerRollout | None = None
 
     def manage_memory(self) -> None:
         """Hand the memory to rlmem (with offload on): after a resume has loaded the weights and optimizer
@@ -138,28 +140,63 @@ class Policy:
             sync = functools.partial(self._gather_then, sync, reshard=reshard)
         return sync
 
-    def make_engine(self) -> HFSampler:
-        """The sampler, made once; its KV cache is sized once the train state has made room."""
+    @property
+    def engine_categories(self) -> tuple[str, ...]:
+        """What the timeline shows of the engine (:meth:`engine_memory`'s keys)."""
+        return SERVER_CATEGORIES if self.cfg.engine == "server" else ("kv_cache", "cuda_graphs")
+
+    def engine_memory(self) -> dict[str, int]:
+        """Device bytes the engine holds now, by category (nothing before it is made)."""
+        return {} if self.engine is None else self.engine.memory()
+
+    def make_engine(self) -> HFSampler | ServerRollout:
+        """The engine, made once; its KV cache is sized once the train state has made room."""
         if self.engine is None:
             cfg, rt = self.cfg, self.rt
             dtype = ROLLOUT_DTYPES[cfg.rollout_dtype]
             rollout_dtype = None if dtype is None else getattr(torch, dtype)
             kv_dtype = rt.amp_dtype or rollout_dtype or rt.param_dtype
             n_seqs = cfg.prompts_per_step // rt.world * cfg.group_size
-            self.engine = HFSampler(
-                self.model,
-                max_len=self.prompts.max_len,
-                batch_size=_kv_batch(cfg, self.model, n_seqs, self.prompts.max_len, kv_dtype),
-                pad_token_id=self.prompts.pad_id,
-                eos_token_id=self.prompts.eos_id,
-                compute_dtype=rt.amp_dtype,
-                cuda_graphs=cfg.cuda_graphs,
-                rollout_dtype=rollout_dtype,
-            )
+            batch = _kv_batch(cfg, self.model, n_seqs, self.prompts.max_len, kv_dtype)
+            if cfg.engine == "server":
+                self.engine = ServerRollout(
+                    self.model,
+                    device=rt.device,
+                    weights_dtype=rollout_dtype or rt.param_dtype,
+                    max_len=self.prompts.max_len,
+                    batch_size=batch,
+                    pad_id=self.prompts.pad_id,
+                    eos_id=self.prompts.eos_id,
+                    compute_dtype=rt.amp_dtype,
+                    cuda_graphs=cfg.cuda_graphs,
+                    url=cfg.engine_url,
+                    log=Path(cfg.out_dir) / "server.log",
+                )
+                if self.pm.state is not None:
+                    self.engine.track_train_state(self.pm.state)
+                # Made inside the first rollout (or with no handoff at all, when it then keeps it): the
+                # server takes its memory now.
+                self.engine.wake()
+            else:
+                self.engine = HFSampler(
+                    self.model,
+                    max_len=self.prompts.max_len,
+                    batch_size=batch,
+                    pad_token_id=self.prompts.pad_id,
+                    eos_token_id=self.prompts.eos_id,
+                    compute_dtype=rt.amp_dtype,
+                    cuda_graphs=cfg.cuda_graphs,
+                    rollout_dtype=rollout_dtype,
+                )
             self.pm.add_engine(self.engine)
             if self.own_copy:  # filled from the weights gathered for it: FSDP's gathered copy can go
                 self._set_reshard(True)
         return self.engine
+
+    def close(self) -> None:
+        """Let the engine go (a server this run started is stopped)."""
+        if isinstance(self.engine, ServerRollout):
+            self.engine.close()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:

@@ -221,5 +221,5 @@ def track(tl: MemoryTimeline, policy: Any) -> None:
                 else _local_bytes(ref.parameters())
             ),
         )
-    tl.track("kv_cache", lambda: policy.engine.region.resident_bytes if policy.engine is not None else 0)
-    tl.track("cuda_graphs", lambda: policy.engine.graph_pool_bytes if policy.engine is not None else 0)
+    for c in policy.engine_categories:
+        tl.track(c, lambda c=c: policy.engine_memory().get(c, 0))

@@ -78,6 +78,11 @@ def setup(cfg: GRPOConfig) -> Runtime:
         amp_dtype={"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision),
         scaler=torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None,
     )
+    if cfg.engine == "server" and world > 1:
+        raise ValueError(
+            f"engine=server: one rank per GPU with its server is not supported yet; this run has {world} "
+            "ranks (use engine=local under torchrun)"
+        )
     if cfg.comms == "suspend":
         _check_suspend(rt, offload(cfg, rt))
         rt.ctl = dist.new_group(backend="gloo")

@@ -1,0 +1,265 @@
+"""``rlmem serve MODEL``: load the model (what ``rlmem train`` accepts, or a config alone whose weights a
+trainer shares), size its KV cache, and serve it over HTTP (uvicorn) on a Unix socket or 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "serve_parser"]
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rlmem serve",
+        description="Serve a model for rollout: generate, sleep/wake by level and tag, weight updates.",
+    )
+    p.add_argument(
+        "model",
+        help="'tiny', a preset, a save_pretrained directory, a GGUF file or package (as rlmem train "
+        "takes); with --weights shared, a directory with the config.json alone",
+    )
+    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto (default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights (auto: bf16 on GPU)")
+    p.add_argument("--compute-dtype", default=None, choices=list(DTYPES), help="autocast to this dtype")
+    p.add_argument("--max-len", type=int, default=None, help="prompt + completion tokens (default 2048)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences the KV cache holds (default 16)")
+    p.add_argument("--kv-budget", default=None, help="bytes the KV cache may take instead (e.g. 20GiB)")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--pad-id", type=int, default=None, help="without a tokenizer: the pad token id")
+    p.add_argument("--eos-id", type=int, default=None, help="without a tokenizer: the EOS token id")
+    p.add_argument("--seed", type=int, default=0, help="for the random weights of 'tiny' and presets")
+    p.add_argument(
+        "--weights",
+        default="model",
+        choices=["model", "shared"],
+        help="shared: the weights come from a trainer through --broker (the model is built empty)",
+    )
+    p.add_argument("--broker", default=None, help="join the device's broker at this socket (role rollout)")
+    p.add_argument("--uds", default=None, help="listen on this Unix socket (its directory made private)")
+    p.add_argument("--host", default="127.0.0.1", help="TCP host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="TCP port (default 30000)")
+    p.add_argument("--token", default=None, help="required bearer token (default $RLMEM_SERVE_TOKEN)")
+    p.add_argument("--exit-with", type=int, default=None, help=argparse.SUPPRESS)  # the trainer's pid
+    return p
+
+
+def _say(msg: str) -> None:
+    print(f"rlmem serve: {msg}", file=sys.stderr, flush=True)
+
+
+def _device(spec: str) -> Any:
+    import torch
+
+    if spec == "auto":
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {spec}: no CUDA device here")
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"--device must be cuda, cuda:N, cpu or auto, got {spec!r}")
+    return dev
+
+
+class _CharText:
+    """The embedded task's tokenizer, as the server uses one."""
+
+    def __init__(self) -> None:
+        from ..recipes.task import CharTokenizer
+
+        self.tok = CharTokenizer()
+        self.pad_id, self.eos_id = self.tok.PAD, self.tok.EOS
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, bos=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+class _HFText:
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.pad_id, self.eos_id = tok, tok.pad_id, tok.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode_prompt(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def load(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
+    """The model (on the meta device with ``--weights shared``) and its tokenizer (or None)."""
+    import torch
+
+    from ..recipes.config import GRPOConfig
+    from ..recipes.data import load_tokenizer
+    from ..recipes.policy import build_policy
+
+    if args.weights == "shared":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if not (Path(args.model) / "config.json").is_file():
+            raise ValueError(
+                f"model: --weights shared needs a directory with a config.json, got {args.model!r}"
+            )
+        config = AutoConfig.from_pretrained(args.model)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        tok = None
+        try:
+            tok = _HFText(load_tokenizer(args.model, chat_template="none"))
+        except ValueError:
+            pass
+        return model.eval(), tok
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto if args.dtype == "auto" else getattr(torch, DTYPES[args.dtype])
+    cfg = GRPOConfig(model=args.model, seed=args.seed)
+    tok: Any = None
+    if args.model == "tiny":
+        tok = _CharText()
+        model = build_policy(cfg, device, dtype, tok.tok.vocab_size, args.max_len or 0)
+    else:
+        model = build_policy(cfg, device, dtype, 0)
+        try:
+            tok = _HFText(load_tokenizer(args.model, chat_template="none"))
+        except ValueError:
+            tok = None
+    return model.eval(), tok
+
+
+def _check_uds(path: Path, token: str | None) -> None:
+    d = path.parent
+    if not d.exists():
+        d.mkdir(parents=True, mode=0o700)
+    mode = d.stat().st_mode
+    if token is None and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"--uds: {str(d)!r} is open to other users; use a private directory or give --token")
+
+
+def _watch_parent(pid: int, server: Any) -> None:
+    def loop() -> None:
+        while not server.should_exit:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                _say(f"the process that started it (pid {pid}) is gone: stopping")
+                server.should_exit = True
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=loop, name="rlmem-serve-parent", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``rlmem serve``."""
+    p = serve_parser()
+    args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as e:
+        p.error(str(e))
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from .._units import parse_bytes
+    from ..colocate import Member
+    from .app import make_app
+    from .core import ServedModel
+
+    token = args.token or os.environ.get("RLMEM_SERVE_TOKEN") or None
+    if args.uds is None and token is None:
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"--host {args.host}: listening beyond this machine needs --token")
+        token = secrets.token_urlsafe(24)
+        _say(f"token (pass --token to choose one): {token}")
+    if args.uds is not None:
+        _check_uds(Path(args.uds), token)
+    for name in ("max_len", "batch_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {v}")
+    device = _device(args.device)
+    t0 = time.perf_counter()
+    _say(
+        f"loading {args.model} on {device}"
+        + (" (weights from the trainer)" if args.weights == "shared" else "")
+    )
+    model, tok = load(args, device)
+    n = sum(p.numel() for p in model.parameters())
+    _say(f"loaded {n / 1e6:.1f}M parameters in {time.perf_counter() - t0:.1f} s")
+    pad = args.pad_id if args.pad_id is not None else getattr(tok, "pad_id", None)
+    eos = args.eos_id if args.eos_id is not None else getattr(tok, "eos_id", None)
+    if pad is None or eos is None:
+        raise ValueError("without a tokenizer in the model's directory, give --pad-id and --eos-id")
+    max_len = args.max_len or min(2048, int(getattr(model.config, "max_position_embeddings", 2048)))
+    kw: dict[str, Any] = dict(
+        max_len=max_len,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        cuda_graphs=args.cuda_graphs if device.type == "cuda" else "off",
+        compute_dtype=getattr(torch, DTYPES[args.compute_dtype]) if args.compute_dtype else None,
+    )
+    if args.kv_budget is not None:
+        kw["kv_budget_bytes"] = parse_bytes(args.kv_budget, "--kv-budget")
+    else:
+        kw["batch_size"] = args.batch_size or 16
+    member = None
+    if args.broker is not None:
+        member = Member("rollout", path=args.broker, device=device, name=f"rlmem serve {args.model}")
+    core = ServedModel(model, tokenizer=tok, sampler=kw, member=member, name=str(args.model))
+    if core.sampler is not None:
+        s = core.sampler
+        _say(f"KV cache: {s.batch_size} sequences x {s.max_len} tokens ({s.kv_bytes / 2**30:.2f} GiB)")
+    stop = threading.Event()
+    if member is not None:
+        core.serve_broker(stop)
+    config = uvicorn.Config(
+        make_app(core, token=token),
+        uds=args.uds,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+    server = uvicorn.Server(config)
+    where = f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.02)
+        if server.started:
+            _say(f"listening on {where}")
+
+    threading.Thread(target=announce, daemon=True).start()
+    if args.exit_with is not None:
+        _watch_parent(args.exit_with, server)
+    try:
+        server.run()  # SIGTERM and SIGINT end it gracefully (requests in flight are finished)
+    finally:
+        stop.set()
+        core.close()
+        if args.uds:
+            Path(args.uds).unlink(missing_ok=True)
+    _say("stopped")
+    return 0
