@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|serve|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -11,8 +11,10 @@
 # bench-act passes its args to rlmem bench activations (e.g. --models qwen2-wide).
 # bench-megatron passes its args to rlmem bench megatron (e.g. --parts switch).
 # bench-colocate passes its args to rlmem bench colocate (e.g. --parts handoff --merge).
+# serve runs the CUDA tests of rlmem serve, engine=server and the two-process handoff (args go to pytest);
+# bench-server passes its args to rlmem bench grpo_colocated --engine server (e.g. --parts big-offload --merge).
 # Carry .whl (torch_memory_saver 0.0.10 for the phase_switch comparison, megatron-core 0.16.1 cp312 for the
-# Megatron tests and benchmark); see README.
+# Megatron tests and benchmark, fastapi / starlette / pydantic / uvicorn for rlmem serve); see README.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlmem-gpu-check}
@@ -50,6 +52,18 @@ fi
 
 name=${machine:-$(python3 -c 'import torch; from rlmem.benchmarks._common import machine_name as m
 print(m(torch.device("cuda", 0)))' 2>/dev/null)}
+if [[ $what == serve ]]; then
+  python3 -m pytest -q -rs -m cuda tests/test_serve.py tests/test_serve_train.py tests/test_remote_engine.py \
+    tests/test_colocate_handoff.py tests/test_colocate_weights.py tests/test_hf_sampler.py tests/test_region_cuda.py "$@" \
+    2>&1 | tee "$OUT/tests_serve.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == bench-server ]]; then
+  [[ -f bench/results/grpo_server-$name.json ]] && cp "bench/results/grpo_server-$name.json" "$OUT/"
+  python3 -m rlmem bench grpo_colocated --engine server --machine "$name" --json "$OUT/grpo_server-$name.json" "$@" \
+    2>&1 | tee "$OUT/bench_grpo_server.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
 if [[ $what == all || $what == bench || $what == bench-region ]]; then
   python3 -m rlmem bench region --machine "$name" --chunk-sweep 256,1024,2048 --json "$OUT/region-$name.json" \
     2>&1 | tee "$OUT/bench_region.log"

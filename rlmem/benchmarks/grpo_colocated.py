@@ -18,6 +18,19 @@ minutes here; with 16 it holds 240k. Parts differ only in the KV-cache budget an
 Summary: ``oom_without_offload``, ``rollout_tokens_per_s_offload`` (big-offload),
 ``rollout_tokens_per_s_no_offload`` (fit-nooffload), ``switch_share_of_step`` (big-offload's phase
 switches over its step time), and ``step_s_*``, ``peak_*`` per phase.
+
+``--engine server`` (JSON ``grpo_server-*``): the rollout in ``rlmem serve``, a process of its own on the
+same GPU (``rlmem train engine=server``), against the one-process recipe:
+
+* ``server-big-nooffload``: two processes without rlmem's handoff, each keeping its memory (the server's
+  cache the big budget): expected out of memory;
+* ``server-fit-nooffload``: the same with the budget that fits beside the resident train state;
+* ``server-big-offload``: two processes handing the device over through the broker at each switch;
+* ``big-offload``: the one-process recipe, as above.
+
+Summary: ``fits_with_rlmem``, ``oom_or_smaller_kv_without``, ``step_vs_single_process`` (server-big-offload's
+step time over big-offload's), ``sync_s`` (the shared weights' sync), ``switch_share`` (its exposed switch
+time over its step time), tokens/s and each process's peak per part.
 """
 
 from __future__ import annotations
@@ -45,17 +58,28 @@ def _gib(v: float | None) -> float | None:
 
 
 PARTS = ("big-nooffload", "big-offload", "big-overlap", "half-nooffload", "fit-nooffload")
+SERVER_PARTS = ("server-big-nooffload", "server-fit-nooffload", "server-big-offload", "big-offload")
 TARGETS = {
     "switch_share_of_step": ("<", 0.05),
     "tokens_per_s_gain": (">", 1.0),
+}
+SERVER_TARGETS = {
+    "fits_with_rlmem": ("==", True),
+    "oom_or_smaller_kv_without": ("==", True),
+    "step_vs_single_process": ("<=", 1.10),
+    "sync_s": ("<=", 0.05),
+    "switch_share": ("<", 0.05),
 }
 
 
 def _config(args: argparse.Namespace, part: str, out_dir: str) -> Any:
     from ..recipes.grpo import GRPOConfig
 
-    budget = {"big": args.kv_big_gib, "half": args.kv_big_gib / 2, "fit": args.kv_fit_gib}[part.split("-")[0]]
+    server = part.startswith("server-")
+    size = part.removeprefix("server-").split("-")[0]
+    budget = {"big": args.kv_big_gib, "half": args.kv_big_gib / 2, "fit": args.kv_fit_gib}[size]
     return GRPOConfig(
+        engine="server" if server else "local",
         model=args.model,
         # the recipe takes a kind of device, not the harness's "cuda:0"
         device=torch.device(args.device).type,
@@ -95,11 +119,51 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
     return {
         "oom": False,
         "kv_budget": cfg.kv_budget,
+        "engine": cfg.engine,
         "steps": rows,
         "last": last,
         "phases": s["phases"],
         "precision": s["precision"],
     }
+
+
+def _server_peak(r: dict[str, Any], phase: str) -> float | None:
+    """The server's most in a phase (its ledger entry: cache and PyTorch's reserved memory), GiB."""
+    ph = r.get("phases", {}).get(phase, {})
+    parts = [ph.get("max_server_kv_cache"), ph.get("max_server_torch_cache")]
+    return None if parts[0] is None else sum(p or 0 for p in parts) / _GiB
+
+
+def summarize_server(res: dict[str, Any]) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    without, fit = res.get("server-big-nooffload", {}), res.get("server-fit-nooffload", {})
+    with_, one = res.get("server-big-offload", {}), res.get("big-offload", {})
+    if "oom" in with_:
+        s["fits_with_rlmem"] = not with_["oom"]
+    if "oom" in without and with_.get("last"):
+        smaller = not without["oom"] and without["last"]["kv_bytes"] < with_["last"]["kv_bytes"]
+        s["oom_or_smaller_kv_without"] = bool(without["oom"]) or smaller
+    for key, r in (("server", with_), ("server_fit", fit), ("single", one)):
+        last = r.get("last")
+        if not last:
+            continue
+        s[f"step_s_{key}"] = last["step_s"]
+        s[f"rollout_tokens_per_s_{key}"] = last["tokens_per_s"]
+        s[f"kv_gib_{key}"] = last["kv_bytes"] / _GiB
+        s[f"switch_s_{key}"] = last["switch_s"]
+        s[f"sync_s_{key}"] = last.get("sync_s")
+        s[f"peak_rollout_gib_{key}"] = _gib(last["peak_rollout"])
+        s[f"peak_train_gib_{key}"] = _gib(last["peak_train"])
+        if key != "single":
+            s[f"server_peak_rollout_gib_{key}"] = _server_peak(r, "rollout")
+            s[f"server_peak_train_gib_{key}"] = _server_peak(r, "train")
+    if with_.get("last"):
+        w = with_["last"]
+        s["sync_s"] = w.get("sync_s")
+        s["switch_share"] = w["switch_s"] / w["step_s"]
+        if one.get("last"):
+            s["step_vs_single_process"] = w["step_s"] / one["last"]["step_s"]
+    return {k: v for k, v in s.items() if v is not None}
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -139,8 +203,22 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--engine", choices=("local", "server"), default="local")
+    server = pre.parse_known_args(argv)[0].engine == "server"
+    parts_of = SERVER_PARTS if server else PARTS
+    if server:
+        run_ = Run("grpo_server", "Co-located GRPO with the rollout in rlmem serve", SERVER_TARGETS)
+    else:
+        run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
     p = run_.parser
+    p.add_argument(
+        "--engine",
+        choices=("local", "server"),
+        default="local",
+        help="server: the rollout in rlmem serve, its own process (JSON grpo_server-*)",
+    )
     p.add_argument(
         "--model", default="qwen2-2.7b-mha", help="'tiny', a preset of rlmem.presets, or a directory"
     )
@@ -154,18 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")
     p.add_argument("--rollout-dtype", default=None, help="the recipe's rollout_dtype (default: None)")
     p.add_argument("--steps", type=int, default=2, help="steps per part; figures from the last")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(parts_of), help=f"which of {', '.join(parts_of)}")
     p.add_argument("--merge", action="store_true", help="keep the other parts of an existing JSON file")
-    p.add_argument("--part", default=None, choices=PARTS, help=argparse.SUPPRESS)
+    p.add_argument("--part", default=None, choices=PARTS + SERVER_PARTS, help=argparse.SUPPRESS)
     args = run_.parse(argv)
     args.device = str(run_.device)
     if args.part:
         print(json.dumps(run_part(args, args.part)), flush=True)
         return 0
     parts = [x for x in args.parts.split(",") if x]
-    if not parts or any(x not in PARTS for x in parts):
-        run_.error(f"--parts must be a comma-separated subset of {', '.join(PARTS)}")
-    args.forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--merge"]
+    if not parts or any(x not in parts_of for x in parts):
+        run_.error(f"--parts must be a comma-separated subset of {', '.join(parts_of)}")
+    args.forward = [a for a in argv if a != "--merge"]
     res: dict[str, Any] = run_.previous() if args.merge else {}
     for part in parts:
         res[part] = spawn_part("rlmem.benchmarks.grpo_colocated", part, args.forward)
@@ -175,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = {k: v["error"] for k, v in res.items() if "error" in v}
     for k, v in failed.items():
         print(f"{k} failed:\n{v}", file=sys.stderr)
-    summary = summarize(res)
+    summary = summarize_server(res) if server else summarize(res)
     rows = []
-    for part in PARTS:
+    for part in parts_of:
         r = res.get(part)
         if not r or "error" in r:
             continue
@@ -198,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                 "step": last["step_s"],
                 "pr": _gib(last["peak_rollout"]),
                 "pt": _gib(last["peak_train"]),
+                "sync": last.get("sync_s"),
+                "sp": _server_peak(r, "rollout"),
             }
         )
     print(
@@ -215,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("step", "step s", ".1f"),
                 ("pr", "peak rollout GiB", ".1f"),
                 ("pt", "peak train GiB", ".1f"),
+                ("sync", "sync s", ".4f"),
+                ("sp", "server peak GiB", ".1f"),
             ],
         )
     )

@@ -18,7 +18,8 @@ A release counts when the memory is back, not when the HTTP call returns (a serv
 memory is free): with ``device=`` on this machine, ``sleep`` then waits until the device's free memory has
 risen by what the last ``wake`` took (less 1/64 and 4 MiB), or, before any wake, until it stops rising;
 bounded, with :class:`~rlmem.colocate.FenceError`. Every request has a time-out; an error answer is raised
-as :class:`RemoteError` with the server's message.
+as :class:`RemoteError` with the server's message (rlmem's ``OutOfMemoryError`` where rlmem's server ran out
+of device memory).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from .._checks import check_tags
+from ..errors import OutOfMemoryError
 from ._device import mem_info
 from .member import FenceError, Member, RemoteError, fence_bytes
 from .peer import PeerEngine
@@ -250,7 +252,11 @@ class RemoteEngine:
                 detail = r.json()
             except ValueError:
                 detail = r.text[:500]
-            raise RemoteError(f"{method} {self.url}{path} answered {r.status_code}: {detail}")
+            msg = f"{method} {self.url}{path} answered {r.status_code}: {detail}"
+            said = str(detail.get("detail", "") if isinstance(detail, dict) else detail)
+            if r.status_code == 503 and said.startswith("out of memory"):
+                raise OutOfMemoryError(msg, device=str(self.device or ""))
+            raise RemoteError(msg)
         if not r.content:
             return None
         try:

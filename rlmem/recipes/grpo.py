@@ -152,6 +152,7 @@ def _train(
         try:
             for step in range(start, cfg.steps):
                 t_step = time.perf_counter()
+                policy.last_sync_s = None
                 batch = prompts.take(cfg.prompts_per_step, rng, rt.rank, rt.world)
                 group = [ids for ids in batch.ids for _ in range(cfg.group_size)]
 
@@ -220,6 +221,7 @@ def _train(
                     switch_s=switch_s,
                     step_s=time.perf_counter() - t_step,
                     eval_reward=eval_reward,
+                    sync_s=policy.last_sync_s,
                 )
                 log.step(log.record(res, tl, engine, pm.stats().switches if policy.offload else None))
                 done = step + 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,6 +105,7 @@ class Policy:
         self.pm = PhaseManager(model, self.opt)  # disabled until manage_memory()
         self.ref_state: TrainState | None = None
         self.engine: HFSampler | ServerRollout | None = None
+        self.last_sync_s: float | None = None  # the last weight sync's time (None: none this step)
 
     def manage_memory(self) -> None:
         """Hand the memory to rlmem (with offload on): after a resume has loaded the weights and optimizer
@@ -134,7 +136,7 @@ class Policy:
     def weight_sync(self) -> Callable[[], Any] | None:
         """What ``pm.rollout(sync_weights=...)`` runs: the engine's weight sync, and with the communicators
         about to be suspended, FSDP's all-gather first (the weights are gathered while they still work)."""
-        sync = self.engine.sync_weights if self.engine is not None else None
+        sync = self._timed_sync if self.engine is not None else None
         if self.cfg.comms == "suspend":
             reshard = self.own_copy and self.engine is not None
             sync = functools.partial(self._gather_then, sync, reshard=reshard)
@@ -148,6 +150,13 @@ class Policy:
     def engine_memory(self) -> dict[str, int]:
         """Device bytes the engine holds now, by category (nothing before it is made)."""
         return {} if self.engine is None else self.engine.memory()
+
+    def _timed_sync(self) -> None:
+        assert self.engine is not None
+        t0 = time.perf_counter()
+        self.engine.sync_weights()
+        self.rt.synchronize()
+        self.last_sync_s = time.perf_counter() - t0
 
     def make_engine(self) -> HFSampler | ServerRollout:
         """The engine, made once; its KV cache is sized once the train state has made room."""

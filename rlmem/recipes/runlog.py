@@ -42,6 +42,7 @@ class StepResult:
     switch_s: float
     step_s: float
     eval_reward: float | None = None
+    sync_s: float | None = None  # the rollout weights' sync, within the switch to rollout
 
 
 class RunLog:
@@ -100,6 +101,7 @@ class RunLog:
             "score_s": r.score_s,
             "train_s": r.train_s,
             "switch_s": r.switch_s,
+            "sync_s": r.sync_s,
             "step_s": r.step_s,
             "peak_rollout": tl.phases[-2].peak,
             "peak_train": tl.phases[-1].peak,

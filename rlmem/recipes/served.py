@@ -10,6 +10,7 @@ server holds comes from its ledger entry. A server that dies ends the run with :
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -68,6 +69,11 @@ class ServerRollout:
         url: str | None,
         log: Path,
     ) -> None:
+        missing = [m for m in ("httpx", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(
+                f"engine=server needs {', '.join(missing)}: pip install 'rlmem[serve]' (or -e '.[serve]')"
+            )
         self.proc: subprocess.Popen | None = None
         self.broker: Broker | None = None
         self.member: Member | None = None

@@ -12,7 +12,8 @@ speaks.
 - ``POST /flush_cache``: there is no prefix cache to drop; answers ``{"flushed": true}``.
 
 A malformed request is a 422 naming the field, a bad value a 400, a request the server cannot do now
-(asleep, no weights yet) a 409, a device without the memory a 503; every error body is
+(asleep, no weights yet) a 409, a device without the memory a 503 (``"out of memory: ..."``); every error
+body is
 ``{"detail": message}`` and the server keeps serving. With a token every request but ``/health`` needs
 ``Authorization: Bearer TOKEN`` (401 otherwise).
 """
@@ -23,11 +24,11 @@ import hmac
 import os
 from typing import Any, Literal
 
+import torch
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import OutOfMemoryError
 from .core import NotReadyError, ServedModel
 
 __all__ = ["make_app"]
@@ -71,6 +72,9 @@ def make_app(core: ServedModel, *, token: str | None = None) -> Any:
     app = FastAPI(title="rlmem serve", docs_url=None, redoc_url=None)
     auth = [Depends(check_token)]
 
+    async def oom(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": f"out of memory: {exc}"}, status_code=503)
+
     def error(status: int) -> Any:
         async def handler(request: Request, exc: Exception) -> JSONResponse:
             return JSONResponse({"detail": str(exc)}, status_code=status)
@@ -79,7 +83,7 @@ def make_app(core: ServedModel, *, token: str | None = None) -> Any:
 
     app.add_exception_handler(ValueError, error(400))
     app.add_exception_handler(NotReadyError, error(409))
-    app.add_exception_handler(OutOfMemoryError, error(503))
+    app.add_exception_handler(torch.OutOfMemoryError, oom)  # rlmem's OutOfMemoryError among them
     app.add_exception_handler(TimeoutError, error(503))  # a fence or grant that did not come in time
     app.add_exception_handler(ConnectionError, error(503))  # the broker or the trainer went away
     app.add_exception_handler(Exception, error(500))  # answered with its message; the server goes on

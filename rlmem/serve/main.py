@@ -4,8 +4,10 @@ trainer shares), size its KV cache, and serve it over HTTP (uvicorn) on a Unix s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
+import signal
 import stat
 import sys
 import threading
@@ -166,6 +168,26 @@ def _watch_parent(pid: int, server: Any) -> None:
     threading.Thread(target=loop, name="rlmem-serve-parent", daemon=True).start()
 
 
+def _server_class(uvicorn: Any) -> Any:
+    class Server(uvicorn.Server):
+        """SIGTERM and SIGINT stop it gracefully, and then the process cleans up and exits 0 (uvicorn's own
+        handling raises the signal again once stopped, which would skip the clean-up)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    return Server
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``rlmem serve``."""
     p = serve_parser()
@@ -242,7 +264,7 @@ def _run(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=30,
     )
-    server = uvicorn.Server(config)
+    server = _server_class(uvicorn)(config)
     where = f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
 
     def announce() -> None:

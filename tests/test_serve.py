@@ -1,0 +1,172 @@
+"""``rlmem serve`` in a process of its own, driven through :class:`rlmem.RemoteEngine` (rlmem's flavor) on a
+Unix socket: generation (text and token ids, greedy identical to the same sampler in this process),
+sleep and wake, weight updates by handle (shared memory on the host, CUDA IPC on a GPU), every bad
+request a 4xx with a message and the server alive after it, the token on TCP, SIGTERM ending it cleanly.
+Every process started is killed at the end whatever happens; every wait is bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from rlmem.colocate import RemoteError
+from rlmem.colocate.remote import RemoteEngine
+from rlmem.integrations.hf import HFSampler
+from rlmem.recipes.config import GRPOConfig
+from rlmem.recipes.policy import build_policy
+from rlmem.recipes.task import CharTokenizer
+
+TOK = CharTokenizer()
+MAX_LEN = 48
+
+
+def _start(argv: list[str], ready: RemoteEngine, proc_list: list) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "rlmem", "serve", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    proc_list.append(p)
+    deadline = time.monotonic() + 120
+    while not ready.health():
+        assert p.poll() is None, p.stdout.read()
+        assert time.monotonic() < deadline, "rlmem serve did not answer in 120 s"
+        time.sleep(0.1)
+    return p
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def _local(device: str, seed: int) -> HFSampler:
+    model = build_policy(
+        GRPOConfig(model="tiny", seed=seed), torch.device(device), _dtype(device), 14, MAX_LEN
+    )
+    return HFSampler(model.eval(), max_len=MAX_LEN, batch_size=16, pad_token_id=0, eos_token_id=2)
+
+
+def _dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def test_serve_generate_sleep_wake_update_and_bad_requests(device, tmp_path, procs):
+    sock = tmp_path / "run" / "serve.sock"
+    eng = RemoteEngine(f"unix://{sock}", timeout=60)
+    p = _start(["tiny", "--uds", str(sock), "--device", device, "--max-len", str(MAX_LEN)], eng, procs)
+    prompts = ["3142=", "90210="]
+    ids = [TOK.encode(x, bos=True) for x in prompts]
+
+    # Greedy completions are those of the same sampler over the same weights in this process.
+    local = _local(device, 0)
+    want = local.generate(ids, max_new_tokens=12, temperature=0.0)
+    assert eng.generate(ids, max_new_tokens=12) == want
+    assert eng.generate(prompts, max_new_tokens=12) == [TOK.decode(w) for w in want]
+    # Seeded sampling is reproducible from one request to the next.
+    a = eng.generate(ids, max_new_tokens=12, temperature=1.0, seed=7)
+    assert a == eng.generate(ids, max_new_tokens=12, temperature=1.0, seed=7)
+
+    # Asleep it refuses to generate (409), gives its cache back, and after waking answers as before.
+    eng.sleep(1)
+    assert eng.is_sleeping()
+    with pytest.raises(RemoteError, match=r"409.*asleep"):
+        eng.generate(ids, max_new_tokens=4)
+    assert eng.stats()["memory"]["kv_cache"] == 0
+    eng.wake()
+    assert not eng.is_sleeping() and eng.stats()["memory"]["kv_cache"] > 0
+    assert eng.generate(ids, max_new_tokens=12) == want
+
+    # Weights by handle: after the update it samples as a model of another seed does here.
+    other = _local(device, 1)
+    got = eng.update_weights_from_tensor(dict(other.model.named_parameters()))
+    assert got["updated"] == len(dict(other.model.named_parameters()))
+    assert eng.generate(ids, max_new_tokens=12) == other.generate(ids, max_new_tokens=12, temperature=0.0)
+
+    # Bad requests: a 4xx naming what is wrong; nothing changed; the server keeps serving.
+    http = eng._http
+    bad = [
+        ("/generate", {"prompts": ["12="], "bogus": 1}, 422, "bogus"),
+        ("/generate", {"input_ids": [[1, 99999]]}, 400, "outside the vocabulary"),
+        ("/generate", {"prompts": ["12a="]}, 400, "not in the vocabulary"),
+        ("/generate", {"prompts": ["12="], "input_ids": [[1]]}, 400, "exactly one"),
+        ("/generate", {"input_ids": [[1, 3]], "max_new_tokens": 500}, 400, "max_len"),
+        ("/generate", {"input_ids": [[1, 3]], "top_p": 0}, 422, "top_p"),
+        ("/sleep", {"level": 3}, 422, "level"),
+        ("/wake", {"tags": ["kv"]}, 422, "tags"),
+        ("/update_weights_from_tensor", {"tensors": [{"name": "x"}]}, 400, "dtype"),
+    ]
+    for path, body, code, words in bad:
+        r = http.post(path, json=body)
+        assert r.status_code == code, (path, body, r.text)
+        assert words in r.text, (path, r.text)
+    wrong = {"model.no_such.weight": torch.zeros(2, device=device)}
+    with pytest.raises(RemoteError, match=r"400.*no weight named"):
+        eng.update_weights_from_tensor(wrong)
+    first = next(iter(other.model.named_parameters()))
+    with pytest.raises(RemoteError, match=r"400.*shape"):
+        eng.update_weights_from_tensor({first[0]: torch.zeros(3, device=device)})
+    assert eng.generate(ids, max_new_tokens=12) == other.generate(ids, max_new_tokens=12, temperature=0.0)
+    assert eng.health()
+
+    # SIGTERM: a graceful stop, the socket removed.
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 0
+    assert "stopped" in p.stdout.read()
+    assert not sock.exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_on_tcp_needs_its_token(tmp_path, procs):
+    port = _free_port()
+    eng = RemoteEngine(f"http://127.0.0.1:{port}", token="s3cret", timeout=60)
+    _start(["tiny", "--device", "cpu", "--port", str(port), "--token", "s3cret"], eng, procs)
+    assert eng.generate(["12="], max_new_tokens=2)
+    r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"prompts": ["12="]}, timeout=30)
+    assert r.status_code == 401 and "token" in r.text
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/sleep",
+        json={"level": 1},
+        headers={"Authorization": "Bearer nope"},
+        timeout=30,
+    )
+    assert r.status_code == 401
+    assert not eng.is_sleeping()
+
+
+def test_serve_refuses_bad_arguments(tmp_path):
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "rlmem", "serve", *argv], capture_output=True, text=True, timeout=120
+        )
+
+    r = run("tiny", "--host", "0.0.0.0", "--device", "cpu")
+    assert r.returncode == 2 and "--token" in r.stderr
+    r = run(str(tmp_path), "--weights", "shared", "--device", "cpu", "--uds", str(tmp_path / "a" / "s"))
+    assert r.returncode == 2 and "config.json" in r.stderr
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    os.chmod(open_dir, 0o777)
+    r = run("tiny", "--device", "cpu", "--uds", str(open_dir / "s.sock"))
+    assert r.returncode == 2 and "other users" in r.stderr
+    r = run("tiny", "--device", "cpu", "--batch-size", "0")
+    assert r.returncode == 2 and "--batch-size" in r.stderr
