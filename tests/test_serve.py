@@ -98,7 +98,7 @@ def test_serve_generate_sleep_wake_update_and_bad_requests(device, tmp_path, pro
     assert eng.generate(ids, max_new_tokens=12) == other.generate(ids, max_new_tokens=12, temperature=0.0)
 
     # Bad requests: a 4xx naming what is wrong; nothing changed; the server keeps serving.
-    http = eng._http
+    http = httpx.Client(base_url="http://rlmem", transport=httpx.HTTPTransport(uds=str(sock)), timeout=60)
     bad = [
         ("/generate", {"prompts": ["12="], "bogus": 1}, 422, "bogus"),
         ("/generate", {"input_ids": [[1, 99999]]}, 400, "outside the vocabulary"),

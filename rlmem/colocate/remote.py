@@ -222,6 +222,15 @@ class RemoteEngine:
         path = {"sglang": "/flush_cache", "vllm": "/reset_prefix_cache", "rlmem": "/flush_cache"}
         self._call("POST", path[self.flavor])
 
+    def health_info(self) -> dict[str, Any]:
+        """The server's ``GET /health`` answer (rlmem's: ready, sleeping, pid, the broker it joined).
+
+        Raises:
+            ConnectionError: it does not answer. RemoteError: it answers with an error.
+        """
+        out = self._call("GET", "/health")
+        return out if isinstance(out, dict) else {"status": out}
+
     def health(self) -> bool:
         """Whether the server answers ``GET /health`` with 200."""
         try:

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..colocate import Broker, Member, RemoteEngine, SharedWeights
-from ..colocate.member import PeerLostError, RemoteError
+from ..colocate import Broker, Member, PeerLostError, RemoteEngine, RemoteError, SharedWeights
 
 __all__ = ["SERVER_CATEGORIES", "EngineLostError", "ServerRollout"]
 
@@ -155,10 +154,10 @@ class ServerRollout:
     def _broker_of(url: str) -> str:
         probe = RemoteEngine(url, timeout=30.0)
         try:
-            health = probe._call("GET", "/health")
+            health = probe.health_info()
         finally:
             probe.close()
-        broker = health.get("broker") if isinstance(health, dict) else None
+        broker = health.get("broker")
         if not broker:
             raise ValueError(
                 f"engine_url: the server at {url} joined no broker; start it with rlmem serve "

@@ -18,9 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..colocate import EngineSeat, Member
+from ..colocate import AttachedWeights, EngineSeat, Member
 from ..colocate.ipc import open_tensors
-from ..colocate.weights import AttachedWeights
 from ..integrations.hf import HFSampler
 
 __all__ = ["NotReadyError", "ServedModel"]
