@@ -167,17 +167,20 @@ class Policy:
             kv_dtype = rt.amp_dtype or rollout_dtype or rt.param_dtype
             n_seqs = cfg.prompts_per_step // rt.world * cfg.group_size
             batch = _kv_batch(cfg, self.model, n_seqs, self.prompts.max_len, kv_dtype)
+            sampler = dict(
+                max_len=self.prompts.max_len,
+                batch_size=batch,
+                pad_token_id=self.prompts.pad_id,
+                eos_token_id=self.prompts.eos_id,
+                compute_dtype=rt.amp_dtype,
+                cuda_graphs=cfg.cuda_graphs,
+            )
             if cfg.engine == "server":
                 self.engine = ServerRollout(
                     self.model,
                     device=rt.device,
                     weights_dtype=rollout_dtype or rt.param_dtype,
-                    max_len=self.prompts.max_len,
-                    batch_size=batch,
-                    pad_id=self.prompts.pad_id,
-                    eos_id=self.prompts.eos_id,
-                    compute_dtype=rt.amp_dtype,
-                    cuda_graphs=cfg.cuda_graphs,
+                    sampler=sampler,
                     url=cfg.engine_url,
                     log=Path(cfg.out_dir) / "server.log",
                 )
@@ -187,16 +190,7 @@ class Policy:
                 # server takes its memory now.
                 self.engine.wake()
             else:
-                self.engine = HFSampler(
-                    self.model,
-                    max_len=self.prompts.max_len,
-                    batch_size=batch,
-                    pad_token_id=self.prompts.pad_id,
-                    eos_token_id=self.prompts.eos_id,
-                    compute_dtype=rt.amp_dtype,
-                    cuda_graphs=cfg.cuda_graphs,
-                    rollout_dtype=rollout_dtype,
-                )
+                self.engine = HFSampler(self.model, **sampler, rollout_dtype=rollout_dtype)
             self.pm.add_engine(self.engine)
             if self.own_copy:  # filled from the weights gathered for it: FSDP's gathered copy can go
                 self._set_reshard(True)

@@ -30,6 +30,14 @@ __all__ = ["SERVER_CATEGORIES", "EngineLostError", "ServerRollout"]
 
 # What the timeline and the table show of the server: this process's shared copy, then the server's ledger.
 SERVER_CATEGORIES = ("rollout_weights", "server_kv_cache", "server_torch_cache")
+# the sampler's arguments as rlmem serve's flags
+_FLAGS = {
+    "max_len": "--max-len",
+    "batch_size": "--batch-size",
+    "cuda_graphs": "--cuda-graphs",
+    "pad_token_id": "--pad-id",
+    "eos_token_id": "--eos-id",
+}
 _START_S = 600.0  # loading a large model's config and CUDA can take a while; the process is watched meanwhile
 
 
@@ -44,7 +52,8 @@ class ServerRollout:
         model: the policy (its config is what the server builds; its weights are shared at each sync).
         device: this process's device (the server's too).
         weights_dtype: the rollout copy's dtype.
-        max_len, batch_size, pad_id, eos_id, compute_dtype, cuda_graphs: the server's sampler.
+        sampler: the server's :class:`~rlmem.HFSampler` (``max_len``, ``batch_size``, ``pad_token_id``,
+            ``eos_token_id``, ``compute_dtype``, ``cuda_graphs``), for a server this process starts.
         url: a running server (``engine_url``), or None to start one.
         log: where a started server's output goes.
 
@@ -59,12 +68,7 @@ class ServerRollout:
         *,
         device: torch.device,
         weights_dtype: torch.dtype,
-        max_len: int,
-        batch_size: int,
-        pad_id: int,
-        eos_id: int,
-        compute_dtype: torch.dtype | None,
-        cuda_graphs: str,
+        sampler: dict[str, Any],
         url: str | None,
         log: Path,
     ) -> None:
@@ -83,17 +87,7 @@ class ServerRollout:
             if url is None:
                 self.broker = Broker(self._dir / "broker.sock").start()
                 broker_path = str(self.broker.path)
-                url = self._start(
-                    model,
-                    device,
-                    broker_path,
-                    max_len,
-                    batch_size,
-                    pad_id,
-                    eos_id,
-                    compute_dtype,
-                    cuda_graphs,
-                )
+                url = self._start(model, device, broker_path, sampler)
             else:
                 broker_path = self._broker_of(url)
             self.url = url
@@ -107,27 +101,20 @@ class ServerRollout:
         self._ledger: tuple[float, dict[str, int]] = (0.0, {})
 
     # -- starting -------------------------------------------------------------------------------------
-    def _start(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        broker: str,
-        max_len: int,
-        batch_size: int,
-        pad_id: int,
-        eos_id: int,
-        compute_dtype: torch.dtype | None,
-        cuda_graphs: str,
-    ) -> str:
+    def _start(self, model: nn.Module, device: torch.device, broker: str, sampler: dict[str, Any]) -> str:
         cfg_dir = self._dir / "model"
         model.config.save_pretrained(cfg_dir)  # the architecture alone: the weights are shared
         sock = self._dir / "serve.sock"
         argv = [sys.executable, "-m", "rlmem", "serve", str(cfg_dir), "--weights", "shared"]
         argv += ["--broker", broker, "--uds", str(sock), "--device", str(device)]
-        argv += ["--max-len", str(max_len), "--batch-size", str(batch_size), "--cuda-graphs", cuda_graphs]
-        argv += ["--pad-id", str(pad_id), "--eos-id", str(eos_id), "--exit-with", str(os.getpid())]
-        if compute_dtype is not None:
-            argv += ["--compute-dtype", {torch.bfloat16: "bf16", torch.float16: "fp16"}[compute_dtype]]
+        for key, flag in _FLAGS.items():
+            argv += [flag, str(sampler[key])]
+        argv += ["--exit-with", str(os.getpid())]
+        if sampler.get("compute_dtype") is not None:
+            argv += [
+                "--compute-dtype",
+                {torch.bfloat16: "bf16", torch.float16: "fp16"}[sampler["compute_dtype"]],
+            ]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             # Its own session: a Ctrl-C at the terminal reaches this process alone, which ends the step, saves
