@@ -36,6 +36,7 @@ from ..train._dtensor import is_dtensor as _is_dtensor
 from ..train._engines import check_tags
 from ._fused import fused as _fused
 from ._fused import kernels
+from ._gqa import grouped_decode
 
 __all__ = ["HFSampler", "kv_bytes_per_token"]
 
@@ -89,6 +90,10 @@ class HFSampler:
             updated in place by their owner (``sync_weights()`` does nothing). The model may then be built
             on the meta device, with no memory of its own, if ``weights`` has its buffers too. See
             :meth:`use_weights`.
+        gqa: ``"auto"`` (default): a model with fewer KV heads than query heads attends in its decode steps
+            over the cache as it is, each KV head read once for its group of query heads (``_gqa``), instead
+            of through transformers' copy of the cache expanded to every head; ``"off"``: as transformers
+            does. The attention is SDPA's in both; only its inputs' layout differs.
         asleep: start asleep: the KV cache's addresses reserved, no memory taken until ``wake()`` (for a
             process that makes its sampler before it is given the device).
 
@@ -115,11 +120,14 @@ class HFSampler:
         name: str = "kv-cache",
         weights: Mapping[str, torch.Tensor] | None = None,
         asleep: bool = False,
+        gqa: str = "auto",
     ) -> None:
         from transformers import StaticCache
 
         check_choice("cuda_graphs", cuda_graphs, ("auto", "on", "off"))
         check_choice("fused", fused, ("auto", "on", "off"))
+        check_choice("gqa", gqa, ("auto", "off"))
+        self.gqa = gqa == "auto"
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
         if not isinstance(sync_every, int) or sync_every < 1:
@@ -335,8 +343,9 @@ class HFSampler:
             logits_to_keep=1,
         )
         swap = _fused(self._runner, self._kernels) if self.fused else contextlib.nullcontext()
+        packed = grouped_decode(self._runner) if self.gqa else contextlib.nullcontext()
         try:
-            with self._autocast(ids.device), swap:
+            with self._autocast(ids.device), swap, packed:
                 if self.weights is None:
                     out = self.model(**kwargs)
                 else:  # the same modules (or the sharded model's twin) over the rollout copy

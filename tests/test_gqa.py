@@ -1,0 +1,120 @@
+"""Grouped-query decode: HFSampler's decode steps of models with fewer KV heads than query heads read the
+cache as it is (each KV head once for its group), with greedy tokens those of ``generate()``, and (on a GPU)
+CUDA-graph decode bit-identical to eager decode, for Llama-, Mistral-, Qwen2- and Qwen3-shaped models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from rlmem.integrations import _gqa  # noqa: E402
+from rlmem.integrations.hf import HFSampler  # noqa: E402
+
+HEADS, KV = 8, 2
+PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8], [11, 12], [3, 3, 3, 9, 10, 6], [20]]
+
+
+def _model(family: str, device: str) -> torch.nn.Module:
+    cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }[family]
+    config = getattr(transformers, cls[0])(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, cls[1])(config)
+    # Larger weights than the init's: logits far from ties, so the greedy tokens are the model's own.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    return model.eval()
+
+
+def _reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt], device=model.device),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=2,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    return out[: out.index(2) + 1] if 2 in out else out
+
+
+class _Spy:
+    """Every SDPA call's query and key shapes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        real = torch.nn.functional.scaled_dot_product_attention
+
+        def spy(q, k, v, *a, **kw):
+            self.calls.append((tuple(q.shape), tuple(k.shape)))
+            return real(q, k, v, *a, **kw)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_grouped_decode_reads_the_cache_as_it_is_and_matches_generate(family, monkeypatch):
+    model = _model(family, "cpu")
+    s = HFSampler(model, max_len=32, batch_size=4, pad_token_id=0, eos_token_id=2)
+    spy = _Spy(monkeypatch)
+    got = s.generate(PROMPTS, max_new_tokens=12, temperature=0)
+    decode = [(q, k) for q, k in spy.calls if q[2] == HEADS // KV and q[1] == KV]
+    assert decode, "no packed decode step ran"
+    assert all(k[1] == KV for _, k in decode)  # the cache's own KV heads, never expanded
+    monkeypatch.undo()
+    assert got == [_reference(model, p, 12) for p in PROMPTS]
+    assert len({tuple(g) for g in got}) > 1
+    assert model.config._attn_implementation == "sdpa"  # the swap is undone after sampling
+    # The same tokens as transformers' own attention path in the sampler.
+    off = HFSampler(model, max_len=32, batch_size=4, pad_token_id=0, eos_token_id=2, gqa="off")
+    assert off.generate(PROMPTS, max_new_tokens=12, temperature=0) == got
+
+
+def test_models_whose_heads_are_not_grouped_are_left_alone():
+    model = _model("qwen2", "cpu")
+    model.config.num_key_value_heads = HEADS
+    assert not _gqa.grouped(model)
+    with _gqa.grouped_decode(model) as on:
+        assert not on and model.config._attn_implementation == "sdpa"
+    model.config.num_key_value_heads = KV
+    model.config._attn_implementation = "eager"
+    assert not _gqa.grouped(model)  # only SDPA is replaced
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_grouped_graph_decode_is_eager_decode_and_generate(family):
+    model = _model(family, "cuda").to(torch.bfloat16)
+    kw = dict(max_len=32, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8)
+    eager = HFSampler(model, cuda_graphs="off", fused="on", **kw)
+    graphs = HFSampler(model, cuda_graphs="on", **kw)
+
+    def both(s: HFSampler) -> tuple:
+        return (
+            s.generate(PROMPTS, max_new_tokens=12, temperature=0),
+            s.generate(PROMPTS, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5),
+        )
+
+    want = both(eager)
+    assert both(graphs) == want and graphs.captures > 0
+    plain = HFSampler(model, cuda_graphs="off", fused="off", **kw)
+    assert plain.generate(PROMPTS, max_new_tokens=12, temperature=0) == [
+        _reference(model, p, 12) for p in PROMPTS
+    ]
