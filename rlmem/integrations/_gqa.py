@@ -3,9 +3,10 @@
 A model with fewer key/value heads than query heads (Llama 3, Qwen2, Qwen3, Mistral, SmolLM2) attends
 through ``repeat_kv`` in Hugging Face's SDPA path whenever a mask is given (always while sampling a batch of
 different lengths, on transformers releases before it packed decode queries itself): each step copies the
-whole cache, expanded to every query head, before attention reads it. At one query position per sequence the copy is not needed: the ``G`` query heads of
-one KV head are laid out as ``G`` query positions of that head (a view, no copy) and one SDPA call over
-the cache as it is, with the mask broadcast over them, computes the same attention.
+whole cache, expanded to every query head, before attention reads it. At one query position per sequence
+the copy is not needed: the ``G`` query heads of one KV head are laid out as ``G`` query positions of that
+head (a view, no copy) and one SDPA call over the cache as it is, with the mask broadcast over them,
+computes the same attention.
 
 :func:`grouped_decode` puts this in place of ``"sdpa"`` for a model, for the duration of a block: a decode
 step (one query position) of a grouped model runs packed; anything else (prefill, models whose heads are
