@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import check_choice
+from .._checks import check_choice, check_flag
 from .._units import round_up
 from ..memory.region import Region
 from ..plan.shapes import kv_bytes_per_token as _kv_bytes
@@ -37,6 +37,7 @@ from ..train._engines import check_tags
 from ._fused import fused as _fused
 from ._fused import kernels
 from ._gqa import grouped_decode
+from ._slots import Slots, WritePlan, slot_writes
 
 __all__ = ["HFSampler", "kv_bytes_per_token"]
 
@@ -94,6 +95,11 @@ class HFSampler:
             over the cache as it is, each KV head read once for its group of query heads (``_gqa``), instead
             of through transformers' copy of the cache expanded to every head; ``"off"``: as transformers
             does. The attention is SDPA's in both; only its inputs' layout differs.
+        refill: with more sequences than ``batch_size`` rows, keep the batch full: a row whose sequence
+            ended (checked every ``sync_every`` steps) takes the next waiting one, its prompt prefilled into
+            that row of the cache, instead of each batch running until its longest sequence ends (False).
+            Sequences come back in the order given. Seeded sampling is reproducible for the same prompts,
+            seed, ``batch_size`` and ``sync_every``; a sequence's tokens do not depend on which row it took.
         asleep: start asleep: the KV cache's addresses reserved, no memory taken until ``wake()`` (for a
             process that makes its sampler before it is given the device).
 
@@ -121,12 +127,15 @@ class HFSampler:
         weights: Mapping[str, torch.Tensor] | None = None,
         asleep: bool = False,
         gqa: str = "auto",
+        refill: bool = True,
     ) -> None:
         from transformers import StaticCache
 
         check_choice("cuda_graphs", cuda_graphs, ("auto", "on", "off"))
         check_choice("fused", fused, ("auto", "on", "off"))
         check_choice("gqa", gqa, ("auto", "off"))
+        check_flag("refill", refill)
+        self.refill = refill
         self.gqa = gqa == "auto"
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
@@ -217,6 +226,7 @@ class HFSampler:
         # CUDA graphs captured so far: one per rows and length bucket, again only if the weights move
         self.captures = 0
         self._decoders: dict[int, _Decode] = {}  # by rows; with CUDA graphs, each holds its graphs
+        self._slot_decoders: dict[int, _Decode] = {}  # the same for kept-full batches (rows written apart)
         self._pool: Any = None
         self.graph_pool_bytes = 0  # device memory the captured graphs' private pool holds
         self._after: Any = None  # order_after()'s event, for the next generate()
@@ -302,7 +312,7 @@ class HFSampler:
             Bytes of pool released (``graph_pool_bytes`` before).
         """
         freed = self.graph_pool_bytes
-        if self._decoders:
+        if self._decoders or self._slot_decoders:
             self._drop_graphs()
             if self.cuda_graphs:  # emptying the cache hands the freed pool back to the driver
                 torch.cuda.synchronize(self.region.device)
@@ -369,6 +379,7 @@ class HFSampler:
     def _drop_graphs(self) -> None:
         """Forget the decode buffers and their graphs; PyTorch frees the graphs' pool once none holds it."""
         self._decoders.clear()
+        self._slot_decoders.clear()
         self._pool = None
         self.graph_pool_bytes = 0
 
@@ -376,16 +387,17 @@ class HFSampler:
         if self.region.paused or (self.weights_region is not None and self.weights_region.paused):
             raise RuntimeError(f"HFSampler is asleep: call wake() before {call}()")
 
-    def _decoder(self, size: int) -> _Decode:
+    def _decoder(self, size: int, table: dict[int, _Decode] | None = None) -> _Decode:
         """The fixed decode buffers of ``size`` rows (and their captured graphs, with CUDA graphs)."""
         if self.cuda_graphs:
             fp = self._weights_fingerprint()
             if fp != self._fingerprint:  # the weights moved (adopted or reloaded elsewhere): graphs are stale
                 self._drop_graphs()
                 self._fingerprint = fp
-        d = self._decoders.get(size)
+        table = self._decoders if table is None else table
+        d = table.get(size)
         if d is None:
-            d = self._decoders[size] = _Decode(size, self.max_len, self.region.device)
+            d = table[size] = _Decode(size, self.max_len, self.region.device)
         return d
 
     @torch.no_grad()
@@ -561,11 +573,14 @@ class HFSampler:
         after, self._after = self._after, None
         out: list[list[int]] = []
         with contextlib.nullcontext() if after is None else self._own_stream_after(after):
-            for start in range(0, len(prompts), self.batch_size):
-                rows = self._generate_batch(
-                    prompts[start : start + self.batch_size], max_new_tokens, temperature, top_p, gen
-                )
-                out.extend(rows)
+            if self.refill and len(prompts) > self.batch_size:
+                out = self._generate_full(prompts, max_new_tokens, temperature, top_p, gen)
+            else:
+                for start in range(0, len(prompts), self.batch_size):
+                    rows = self._generate_batch(
+                        prompts[start : start + self.batch_size], max_new_tokens, temperature, top_p, gen
+                    )
+                    out.extend(rows)
         return out
 
     @contextlib.contextmanager
@@ -638,6 +653,94 @@ class HFSampler:
             rows.append(row)
             self.tokens_generated += len(row)
         return rows
+
+    def _generate_full(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator,
+    ) -> list[list[int]]:
+        """Every sequence through ``batch_size`` rows kept full (``refill``): each row writes its own columns
+        (``_slots``), a waiting sequence's prompt is prefilled into the row of one that ended."""
+        rows, device = self.batch_size, self.region.device
+        slots = Slots(rows, prompts, max_new_tokens, self.eos_token_id)
+        plan = WritePlan()
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)  # columns each row fills
+        active = torch.zeros(rows, dtype=torch.long, device=device)
+        block = torch.zeros((rows, self.sync_every), dtype=torch.long, device=device)
+        every = torch.arange(rows, device=device)
+        full = [(layer.keys, layer.values) for layer in self.cache.layers]
+        cur: torch.Tensor | None = None  # the logits each row samples its next token from
+        try:
+            with slot_writes(self.cache.layers, plan):
+                self._use_rows(full, None)
+                self.cache.reset()  # rows hold finite values wherever a mask hides them
+                d = self._decoder(rows, self._slot_decoders)
+                d.start(d.mask[:0, 0, 0, :0], d.pos[:0, 0], 0)  # every row idle: attends to column 0
+                while not slots.done:
+                    admitted = slots.admit()
+                    if admitted:
+                        self._use_rows(full, None)
+                        cur = self._prefill_rows(admitted, slots, plan, d, lengths, active, cur)
+                    assert cur is not None
+                    n = min(self.sync_every, slots.steps_left())
+                    base = max(slots.length[r] for r, s in enumerate(slots.seq) if s is not None)
+                    for j in range(n):
+                        nxt = _sample(cur, temperature, top_p, gen)
+                        block[:, j] = nxt
+                        d.ids[:, 0] = nxt
+                        d.pos[:, 0] = lengths
+                        d.mask[every, 0, 0, lengths] = True
+                        plan.decode(d.pos[:, 0])
+                        length = self._length(base + j + 1)
+                        self._use_rows(full, rows, length)
+                        cur = self._decode(d, length)
+                        lengths.add_(active)
+                    for r in slots.record(block[:, :n].tolist()):
+                        active[r] = 0
+                        lengths[r] = 0
+                        d.mask[r] = False
+                        d.mask[r, 0, 0, 0] = True
+        finally:
+            self._use_rows(full, None)
+        out = slots.outputs()
+        self.tokens_generated += sum(len(o) for o in out)
+        return out
+
+    def _prefill_rows(
+        self,
+        admitted: list[tuple[int, int]],
+        slots: Slots,
+        plan: WritePlan,
+        d: _Decode,
+        lengths: torch.Tensor,
+        active: torch.Tensor,
+        cur: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Prefill the admitted sequences into their rows, those of one prompt length together (no padding:
+        each row's last column is its last token); their first logits go into ``cur``'s rows."""
+        device = self.region.device
+        by_len: dict[int, list[tuple[int, int]]] = {}
+        for r, s in admitted:
+            by_len.setdefault(len(slots.prompts[s]), []).append((r, s))
+        for p, group in by_len.items():
+            idx = torch.tensor([r for r, _ in group], device=device)
+            ids = torch.tensor([slots.prompts[s] for _, s in group], dtype=torch.long, device=device)
+            pos = torch.arange(p, device=device).expand(len(group), p)
+            causal = torch.ones((p, self.max_len), dtype=torch.bool, device=device).tril()
+            plan.prefill(idx)
+            logits = self._forward(ids, causal.expand(len(group), 1, p, self.max_len), pos)
+            if cur is None:
+                cur = torch.zeros((self.batch_size, logits.shape[-1]), dtype=logits.dtype, device=device)
+            cur[idx] = logits.to(cur.dtype)
+            lengths[idx] = p
+            active[idx] = 1
+            d.mask[idx] = False
+            d.mask[idx, 0, 0, :p] = True
+        assert cur is not None
+        return cur
 
     def _use_rows(
         self, full: list[tuple[torch.Tensor, torch.Tensor]], n: int | None, length: int | None = None

@@ -4,7 +4,8 @@ of docs/design.md and small ones.
 ``qwen2-2.5b``: hidden 2048, 28 layers, MLP 11008, 16 heads / 2 KV heads, vocabulary 151936, tied
 embeddings: 2.47B parameters; in bf16 with AdamW that is 4.6 GiB each of parameters and gradients and
 9.2 GiB of optimizer state (18.4 GiB). ``qwen2-tiny`` is the same shape family at toy size; ``mlp-tiny``
-needs no ``transformers`` (CPU smoke runs). ``qwen2-1.5b`` is Qwen2-1.5B's shape.
+needs no ``transformers`` (CPU smoke runs). ``qwen2-1.5b`` is Qwen2-1.5B's shape, ``smollm2-135m``
+SmolLM2-135M's (Llama).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PRESETS", "QWEN2", "build", "vocab_size"]
+__all__ = ["LLAMA", "PRESETS", "QWEN2", "build", "vocab_size"]
 
 QWEN2 = {
     "qwen2-2.5b": dict(
@@ -51,7 +52,21 @@ QWEN2 = {
 # Qwen2's 2.5B shape with one KV head per query head (as Qwen1.5): 8x the KV cache per token, so a KV budget
 # of tens of GiB fills with a rollout that one step can also train on in a benchmark.
 QWEN2["qwen2-2.7b-mha"] = {**QWEN2["qwen2-2.5b"], "num_key_value_heads": 16}
-PRESETS = (*QWEN2, "mlp-tiny")
+# Llama-architecture shapes: SmolLM2-135M's (grouped: 9 query heads over 3 KV heads, head dim 64).
+LLAMA = {
+    "smollm2-135m": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+    ),
+}
+PRESETS = (*QWEN2, *LLAMA, "mlp-tiny")
 
 
 class _MLPLM(nn.Module):
@@ -69,7 +84,8 @@ class _MLPLM(nn.Module):
 
 
 def vocab_size(preset: str) -> int:
-    return QWEN2[preset]["vocab_size"] if preset in QWEN2 else 512
+    shapes = {**QWEN2, **LLAMA}
+    return int(shapes[preset]["vocab_size"]) if preset in shapes else 512
 
 
 def build(preset: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
@@ -84,10 +100,11 @@ def build(preset: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
             if preset == "mlp-tiny":
                 return _MLPLM()
             try:
-                from transformers import Qwen2Config, Qwen2ForCausalLM
+                import transformers
             except ImportError as e:
                 raise RuntimeError(f"preset {preset!r} needs the 'transformers' package") from e
-            cfg = Qwen2Config(**QWEN2[preset], torch_dtype=dtype)
-            return Qwen2ForCausalLM(cfg)
+            if preset in LLAMA:
+                return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA[preset], dtype=dtype))
+            return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN2[preset], torch_dtype=dtype))
     finally:
         torch.set_default_dtype(old)

@@ -1,0 +1,137 @@
+"""Batches kept full: more sequences than rows, a waiting sequence taking the row of one that ended.
+
+:class:`Slots` is the host's bookkeeping of a kept-full generation: which sequence each row of the cache
+holds, the tokens each has produced, how many columns of its row it fills, and the queue of those still
+waiting. It sees the sampled tokens in blocks (one device-to-host copy every few steps), decides which rows
+ended (EOS or ``max_new`` tokens) and which waiting sequences take them, in order of arrival.
+
+Every row keeps its own columns: a sequence's prompt fills columns ``0..p-1`` of its row and its ``i``-th
+token goes to column ``p + i``, which is also its position. :func:`slot_writes` makes the static cache's
+layers write that way for the duration of a block, instead of at one column shared by the batch: a decode
+step writes row ``r``'s keys and values at column ``cols[r]`` (a device tensor, so the step is a CUDA graph
+like any other), a prefill writes whole rows ``rows`` from column 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Slots", "WritePlan", "slot_writes"]
+
+
+class Slots:
+    """Which sequence is in which row, and what each has produced.
+
+    Args:
+        rows: rows of the cache.
+        prompts: every sequence's prompt (token ids), in the order they are admitted.
+        max_new: tokens a sequence samples at most.
+        eos: the id that ends a sequence (kept in its tokens).
+    """
+
+    def __init__(self, rows: int, prompts: Sequence[Sequence[int]], max_new: int, eos: int) -> None:
+        if rows < 1 or max_new < 1:
+            raise ValueError(f"rows and max_new must be positive, got {rows} and {max_new}")
+        self.rows, self.max_new, self.eos = rows, max_new, eos
+        self.prompts = [list(p) for p in prompts]
+        self.waiting: deque[int] = deque(range(len(self.prompts)))
+        self.seq: list[int | None] = [None] * rows  # the sequence in each row (None: idle)
+        self.tokens: list[list[int]] = [[] for _ in self.prompts]
+        self.length = [0] * rows  # columns of its row the sequence fills (prompt + tokens fed back)
+        self.results: list[list[int] | None] = [None] * len(self.prompts)
+        self.admitted = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and all(s is None for s in self.seq)
+
+    def active(self) -> list[bool]:
+        return [s is not None for s in self.seq]
+
+    def admit(self) -> list[tuple[int, int]]:
+        """Waiting sequences into idle rows, lowest row first: ``(row, sequence)`` pairs."""
+        out = []
+        for r in range(self.rows):
+            if self.seq[r] is None and self.waiting:
+                s = self.waiting.popleft()
+                self.seq[r], self.length[r] = s, len(self.prompts[s])
+                out.append((r, s))
+                self.admitted += 1
+        return out
+
+    def steps_left(self) -> int:
+        """Steps until the first active row has sampled all its tokens (the latest a block may end)."""
+        left = [self.max_new - len(self.tokens[s]) for s in self.seq if s is not None]
+        return min(left) if left else 0
+
+    def record(self, block: list[list[int]]) -> list[int]:
+        """Take a block of sampled tokens (``block[r]``: row ``r``'s, one per step since the last block) and
+        return the rows whose sequence ended in it (EOS, or its ``max_new``-th token); those rows are idle
+        now. Tokens a row sampled after its end are not kept."""
+        ended = []
+        for r, s in enumerate(self.seq):
+            if s is None:
+                continue
+            toks = self.tokens[s]
+            for t in block[r]:
+                toks.append(int(t))
+                if t == self.eos or len(toks) == self.max_new:
+                    break
+            self.length[r] = len(self.prompts[s]) + len(toks)
+            if toks and (toks[-1] == self.eos or len(toks) == self.max_new):
+                self.results[s] = list(toks)
+                self.seq[r] = None
+                ended.append(r)
+        return ended
+
+    def outputs(self) -> list[list[int]]:
+        assert all(r is not None for r in self.results), "not every sequence has ended"
+        return [list(r) for r in self.results if r is not None]
+
+
+class WritePlan:
+    """How :func:`slot_writes` makes the layers write: ``("decode", cols)`` (row ``r`` at column
+    ``cols[r]``) or ``("prefill", rows)`` (the given rows, from column 0)."""
+
+    def __init__(self) -> None:
+        self.mode = "decode"
+        self.index: torch.Tensor | None = None
+
+    def decode(self, cols: torch.Tensor) -> None:
+        self.mode, self.index = "decode", cols
+
+    def prefill(self, rows: torch.Tensor) -> None:
+        self.mode, self.index = "prefill", rows
+
+
+@contextlib.contextmanager
+def slot_writes(layers: Sequence[Any], plan: WritePlan) -> Iterator[None]:
+    """Within the block, each cache layer's ``update`` writes per ``plan`` and returns what attention reads:
+    the layer's tensors (decode: every row, up to the columns the layer's view spans) or the prefilled
+    rows whole."""
+
+    def update(layer: Any, key_states: torch.Tensor, value_states: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        idx = plan.index
+        assert idx is not None
+        if plan.mode == "decode":
+            rows = torch.arange(key_states.shape[0], device=key_states.device)
+            layer.keys[rows, :, idx] = key_states[:, :, 0]
+            layer.values[rows, :, idx] = value_states[:, :, 0]
+            return layer.keys, layer.values
+        n = key_states.shape[2]
+        layer.keys[idx, :, :n] = key_states
+        layer.values[idx, :, :n] = value_states
+        return layer.keys[idx], layer.values[idx]
+
+    for layer in layers:
+        layer.update = lambda k, v, *a, _l=layer, **kw: update(_l, k, v, *a, **kw)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.update
