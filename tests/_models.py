@@ -1,5 +1,6 @@
 """Small models for tests: tied weights, a frozen layer, a non-contiguous and a bf16 parameter (state tests);
-a tiny Qwen2 and prompts for it (sampler tests)."""
+a tiny Qwen2 and prompts for it, small grouped-query models of four families and greedy `generate()` (sampler
+tests)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,47 @@ def tiny_qwen2(device: str) -> nn.Module:
     )
     torch.manual_seed(0)
     return transformers.Qwen2ForCausalLM(cfg).to(device).eval()
+
+
+def grouped_model(family: str, device: str, heads: int = 8, kv: int = 2) -> torch.nn.Module:
+    """A small causal LM of ``family`` (llama, mistral, qwen2, qwen3) with ``heads`` query heads over ``kv``
+    KV heads, its weights scaled up so that its logits are far from ties."""
+    import transformers
+
+    cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }[family]
+    config = getattr(transformers, cls[0])(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, cls[1])(config)
+    # Larger weights than the init's: logits far from ties, so the greedy tokens are the model's own.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    return model.eval()
+
+
+def reference(model: nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of ``generate()`` for one prompt (EOS 2, pad 0), up to and including EOS."""
+    out = model.generate(
+        torch.tensor([prompt], device=model.device),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=2,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    return out[: out.index(2) + 1] if 2 in out else out

@@ -9,50 +9,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _models import grouped_model, reference  # noqa: E402
+
 from rlmem.integrations import _gqa  # noqa: E402
 from rlmem.integrations.hf import HFSampler  # noqa: E402
 
 HEADS, KV = 8, 2
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8], [11, 12], [3, 3, 3, 9, 10, 6], [20]]
-
-
-def _model(family: str, device: str) -> torch.nn.Module:
-    cls = {
-        "llama": ("LlamaConfig", "LlamaForCausalLM"),
-        "mistral": ("MistralConfig", "MistralForCausalLM"),
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    }[family]
-    config = getattr(transformers, cls[0])(
-        vocab_size=97,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV,
-        head_dim=16,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = getattr(transformers, cls[1])(config)
-    # Larger weights than the init's: logits far from ties, so the greedy tokens are the model's own.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(4.0)
-    return model.eval()
-
-
-def _reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt], device=model.device),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=2,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
-    return out[: out.index(2) + 1] if 2 in out else out
 
 
 class _Spy:
@@ -71,7 +34,7 @@ class _Spy:
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_grouped_decode_reads_the_cache_as_it_is_and_matches_generate(family, monkeypatch):
-    model = _model(family, "cpu")
+    model = grouped_model(family, "cpu", HEADS, KV)
     s = HFSampler(model, max_len=32, batch_size=4, pad_token_id=0, eos_token_id=2)
     spy = _Spy(monkeypatch)
     got = s.generate(PROMPTS, max_new_tokens=12, temperature=0)
@@ -79,7 +42,7 @@ def test_grouped_decode_reads_the_cache_as_it_is_and_matches_generate(family, mo
     assert decode, "no packed decode step ran"
     assert all(k[1] == KV for _, k in decode)  # the cache's own KV heads, never expanded
     monkeypatch.undo()
-    assert got == [_reference(model, p, 12) for p in PROMPTS]
+    assert got == [reference(model, p, 12) for p in PROMPTS]
     assert len({tuple(g) for g in got}) > 1
     assert model.config._attn_implementation == "sdpa"  # the swap is undone after sampling
     # The same tokens as transformers' own attention path in the sampler.
@@ -88,7 +51,7 @@ def test_grouped_decode_reads_the_cache_as_it_is_and_matches_generate(family, mo
 
 
 def test_models_whose_heads_are_not_grouped_are_left_alone():
-    model = _model("qwen2", "cpu")
+    model = grouped_model("qwen2", "cpu", HEADS, KV)
     model.config.num_key_value_heads = HEADS
     assert not _gqa.grouped(model)
     with _gqa.grouped_decode(model) as on:
@@ -101,7 +64,7 @@ def test_models_whose_heads_are_not_grouped_are_left_alone():
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_grouped_graph_decode_is_eager_decode_and_generate(family):
-    model = _model(family, "cuda").to(torch.bfloat16)
+    model = grouped_model(family, "cuda", HEADS, KV).to(torch.bfloat16)
     kw = dict(max_len=32, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8)
     eager = HFSampler(model, cuda_graphs="off", fused="on", **kw)
     graphs = HFSampler(model, cuda_graphs="on", **kw)
@@ -116,5 +79,5 @@ def test_grouped_graph_decode_is_eager_decode_and_generate(family):
     assert both(graphs) == want and graphs.captures > 0
     plain = HFSampler(model, cuda_graphs="off", fused="off", **kw)
     assert plain.generate(PROMPTS, max_new_tokens=12, temperature=0) == [
-        _reference(model, p, 12) for p in PROMPTS
+        reference(model, p, 12) for p in PROMPTS
     ]

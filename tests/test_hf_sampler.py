@@ -7,21 +7,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from _models import PROMPTS, tiny_qwen2  # noqa: E402
+from _models import PROMPTS, reference, tiny_qwen2  # noqa: E402
 
 from rlmem import OffloadConfig, PhaseManager  # noqa: E402
 from rlmem.integrations.hf import HFSampler, kv_bytes_per_token  # noqa: E402
-
-
-def reference(model, prompt, n):
-    out = model.generate(
-        torch.tensor([prompt], device=model.device),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=2,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
-    return out[: out.index(2) + 1] if 2 in out else out
 
 
 def test_batched_greedy_matches_unbatched_generate(device):

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_gqa import _model  # noqa: E402
+from _models import grouped_model  # noqa: E402
 
 from rlmem.integrations._slots import Slots  # noqa: E402
 from rlmem.integrations.hf import HFSampler  # noqa: E402
@@ -67,7 +67,7 @@ def _steps(s: HFSampler, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_kept_full_batches_give_the_same_greedy_tokens_in_fewer_steps(device, monkeypatch):
-    model = _model("qwen2", device)
+    model = grouped_model("qwen2", device)
     prompts = _prompts(21)
     eos = _common_token(model, prompts)
     kw = dict(max_len=40, batch_size=4, pad_token_id=0, eos_token_id=eos)
@@ -88,7 +88,7 @@ def test_kept_full_batches_give_the_same_greedy_tokens_in_fewer_steps(device, mo
 
 @pytest.mark.cuda
 def test_kept_full_graph_decode_is_eager_decode_and_captured_once():
-    model = _model("llama", "cuda").to(torch.bfloat16)
+    model = grouped_model("llama", "cuda").to(torch.bfloat16)
     prompts = _prompts(37)
     eos = _common_token(model, prompts)
     kw = dict(max_len=40, batch_size=8, pad_token_id=0, eos_token_id=eos, kv_block=8)
