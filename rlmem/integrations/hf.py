@@ -20,6 +20,7 @@ token.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -187,6 +188,10 @@ class HFSampler:
         # The module the rollout runs: the model itself, or (a sharded model with a rollout copy) a twin of
         # it without FSDP's hooks, whose parameters are the copy's full tensors (see ``_twin``).
         self._runner: nn.Module = model
+        # The cache's keyword: ``cache`` in transformers releases that renamed it (``past_key_values`` is
+        # deprecated there), ``past_key_values`` before.
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._state: dict[str, torch.Tensor] = {}  # what functional_call runs it over: the copy (+ buffers)
         self._external = False  # the weights are someone else's (``weights=``): nothing to sync
         if weights is not None:
@@ -344,14 +349,14 @@ class HFSampler:
             # are gathered only within the root module's forward.
             dtype = self.compute_dtype
             hook = self._runner.get_input_embeddings().register_forward_hook(lambda m, a, out: out.to(dtype))
-        kwargs = dict(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        kwargs = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": pos,
+            self._cache_kw: self.cache,
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
         swap = _fused(self._runner, self._kernels) if self.fused else contextlib.nullcontext()
         packed = grouped_decode(self._runner) if self.gqa else contextlib.nullcontext()
         try:
