@@ -4,6 +4,7 @@ on a GPU, for dense and MoE models and every name; views, in-place ops, tuple ou
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import warnings
 
@@ -325,10 +326,14 @@ def test_checkpoint_drops_the_kv_cache_in_training():
     rlmem.checkpoint(model, every=1)
     ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)
+    cache = transformers.DynamicCache()
+    # the cache's keyword: "cache" in transformers releases that renamed it, "past_key_values" before
+    kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     with pytest.warns(UserWarning, match="KV cache"):
-        loss = model(input_ids=ids, labels=ids, use_cache=True).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=True, **{kw: cache}).loss
     loss.backward()
     assert torch.equal(loss.detach(), ref[0])
+    assert cache.get_seq_length() == 0  # the checkpointed layers ran without it
 
 
 def test_soak_pool_and_memory_do_not_grow(device):

@@ -27,6 +27,16 @@ __all__ = ["CheckpointHandle", "checkpoint"]
 
 _SLOT = object()  # where a tensor output goes back
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _is_cache(key: str, value: Any) -> bool:
+    """A KV cache passed to a layer: by one of the keywords transformers has used for it, or as ``cache``
+    (its releases that renamed it) when the value is a cache object."""
+    if value is None:
+        return False
+    return key in _CACHE_KWARGS or (key == "cache" and callable(getattr(value, "get_seq_length", None)))
+
+
 _warned: list[bool] = []
 
 
@@ -74,7 +84,7 @@ class _CheckpointFn(torch.autograd.Function):
 def _checkpointed(forward: Any, layer: nn.Module, index: int, args: tuple, kwargs: dict) -> Any:
     if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
         return forward(*args, **kwargs)
-    if any(kwargs.get(k) is not None for k in _CACHE_KWARGS) or kwargs.get("use_cache"):
+    if any(_is_cache(k, v) for k, v in kwargs.items()) or kwargs.get("use_cache"):
         # The recomputation would update a KV cache a second time; training needs no cache.
         if not _warned:
             warnings.warn(
@@ -83,7 +93,7 @@ def _checkpointed(forward: Any, layer: nn.Module, index: int, args: tuple, kwarg
                 stacklevel=3,
             )
             _warned.append(True)
-        kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+        kwargs = {k: (None if _is_cache(k, v) else v) for k, v in kwargs.items()}
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
     flat, spec = tree_flatten((args, kwargs))
