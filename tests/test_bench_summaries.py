@@ -136,3 +136,55 @@ def test_colocate_summary_compares_the_three_syncs_with_the_bound():
     assert s["sync_vs_bound"] == pytest.approx(0.005 / 0.0065)
     assert s["sync_speedup_vs_ipc"] == pytest.approx(2.1 / 0.0065)
     assert s["sync_speedup_vs_bucketed"] == pytest.approx(0.030 / 0.0065) and s["sync_intact"] is True
+
+
+def test_grpo_server_summary_compares_the_two_processes_with_one():
+    from rlmem.benchmarks import grpo_colocated
+
+    def part(step_s: float, kv: int, sync: float = 0.0065) -> dict:
+        last = {"step_s": step_s, "switch_s": 0.8, "tokens_per_s": 2e4, "kv_bytes": kv, "sync_s": sync}
+        last.update(peak_rollout=0, peak_train=0)
+        phases = {"rollout": {"max_server_kv_cache": kv, "max_server_torch_cache": 1 << 29}}
+        return {"oom": False, "last": last, "phases": phases}
+
+    res = {"server-big-offload": part(51.3, 50 << 30), "big-offload": part(52.7, 50 << 30)}
+    s = grpo_colocated.summarize_server({**res, "server-big-nooffload": {"oom": True}})
+    assert s["fits_with_rlmem"] and s["oom_or_smaller_kv_without"]
+    assert s["step_vs_single_process"] == pytest.approx(51.3 / 52.7)
+    assert s["switch_share"] == pytest.approx(0.8 / 51.3) and s["sync_s"] == 0.0065
+    assert s["server_peak_rollout_gib_server"] == pytest.approx(50.5)
+    # Without the handoff: a smaller cache that fits counts; the same cache does not.
+    smaller = grpo_colocated.summarize_server({**res, "server-big-nooffload": part(60.0, 16 << 30)})
+    same = grpo_colocated.summarize_server({**res, "server-big-nooffload": part(60.0, 50 << 30)})
+    assert smaller["oom_or_smaller_kv_without"] and not same["oom_or_smaller_kv_without"]
+
+
+def test_rollout_summary_takes_the_gqa_keys_from_the_gqa_preset_whatever_the_order():
+    from rlmem.benchmarks import rollout
+
+    def b64(
+        bound: float, graph: float, hf: float, call: float, hf_call: float, off: float | None = None
+    ) -> dict:
+        r = {
+            "bound_ms": bound,
+            "rlmem_eager": {"ms_per_step": 30.0},
+            "rlmem_graphs": {"ms_per_step": graph, "call_s": call},
+            "hf_static": {"ms_per_step": hf, "call_s": hf_call},
+        }
+        if off is not None:
+            r["rlmem_graphs_gqa_off"] = {"ms_per_step": off}
+        return {"batches": {"64": r}}
+
+    res = {rollout.MHA: b64(2.8, 5.0, 7.0, 1.3, 1.8), rollout.GQA: b64(1.77, 3.93, 8.6, 1.09, 2.25, 8.51)}
+    extra = {
+        "varlen": {"speedup": 1.6, "greedy": {"speedup": 1.8, "same_tokens": True}},
+        "capture": {"capture_s": 10.0},
+        "recapture": {"recaptures": 0, "same_tokens": True},
+    }
+    s = rollout.summarize(res, extra)
+    assert s["gqa_graph_vs_bound_b64"] == pytest.approx(1.77 / 3.93)
+    assert s["gqa_speedup_vs_hf_static_b64"] == pytest.approx(2.25 / 1.09)
+    assert s["gqa_step_speedup_vs_transformers_attention_b64"] == pytest.approx(8.51 / 3.93)
+    assert s["graph_vs_bound_b64"] == pytest.approx(2.8 / 5.0) and s["speedup_vs_hf_generate_b64"] == 1.4
+    assert s["varlen_speedup_vs_static"] == 1.6 and s["varlen_greedy_speedup_vs_static"] == 1.8
+    assert s["recaptures_over_100_cycles"] == 0 and s["capture_s"] == 10.0

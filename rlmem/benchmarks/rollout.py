@@ -21,7 +21,8 @@ rule forces EOS (from the 16th token on, at the ``k``-th with probability 1.5/k,
 token and its position: lengths from 16 to ``--new-tokens``, long-tailed, the same rule in both runs),
 sampled at temperature 1, more sequences than the ``--varlen-rows`` rows of the cache: kept full
 (``refill``: a row whose sequence ended takes the next waiting one) against one batch at a time, at the
-same KV budget. Tokens per second over the whole call.
+same KV budget. Tokens per second over the whole call. The sampled lengths differ between the two runs;
+the same case decoded greedily (``varlen.greedy``) gives both runs the same tokens, the same work.
 
 Summary: ``gqa_graph_vs_bound_b64`` (bound over the graph step at batch 64 of ``qwen2-2.5b``),
 ``gqa_speedup_vs_hf_static_b64`` (``generate()`` with its static cache over rlmem's graphs, whole second
@@ -194,7 +195,8 @@ def _eos_rule(model: Any, prompt_len: int, eos: int, c: float = 1.5, first: int 
 
 
 def varlen(model: Any, args: Any, vocab: int, device: torch.device) -> dict[str, Any]:
-    """Kept-full batches against one batch at a time, same rows (KV budget), the EOS rule above."""
+    """Kept-full batches against one batch at a time, same rows (KV budget), the EOS rule above: sampled
+    (the summary's figure), and greedy (``greedy``: the same tokens, so the same work, in both runs)."""
     eos = vocab - 2
     n = args.varlen_prompts
     g = torch.Generator().manual_seed(1)
@@ -203,42 +205,50 @@ def varlen(model: Any, args: Any, vocab: int, device: torch.device) -> dict[str,
     handle = _eos_rule(model, args.prompt_len, eos)
     out: dict[str, Any] = {"sequences": len(group), "rows": args.varlen_rows}
     try:
-        for who, refill in (("static", False), ("kept_full", True)):
-            s = HFSampler(
-                model,
-                max_len=args.prompt_len + args.new_tokens,
-                batch_size=args.varlen_rows,
-                pad_token_id=vocab - 1,
-                eos_token_id=eos,
-                refill=refill,
-            )
+        for mode, temperature in (("sampled", 1.0), ("greedy", 0.0)):
+            got_by: dict[str, list[list[int]]] = {}
+            part: dict[str, Any] = {}
+            for who, refill in (("static", False), ("kept_full", True)):
+                s = HFSampler(
+                    model,
+                    max_len=args.prompt_len + args.new_tokens,
+                    batch_size=args.varlen_rows,
+                    pad_token_id=vocab - 1,
+                    eos_token_id=eos,
+                    refill=refill,
+                )
 
-            def call(s: HFSampler = s) -> list[list[int]]:
-                return s.generate(group, max_new_tokens=args.new_tokens, temperature=1.0, seed=5)
+                def call(s: HFSampler = s, t: float = temperature) -> list[list[int]]:
+                    return s.generate(group, max_new_tokens=args.new_tokens, temperature=t, seed=5)
 
-            first = _timed(call, device)
-            t0 = time.perf_counter()
-            got = call()
-            torch.cuda.synchronize(device)
-            secs = time.perf_counter() - t0
-            lengths = sorted(len(x) for x in got)
-            out[who] = {
-                "first_call_s": first,
-                "call_s": secs,
-                "tokens": sum(lengths),
-                "tokens_per_s": sum(lengths) / secs,
-                "length_p10_p50_p90_max": [lengths[len(lengths) * q // 10] for q in (1, 5, 9)]
-                + [lengths[-1]],
-                "mean_length": sum(lengths) / len(lengths),
-                "captures": s.captures,
-            }
-            s.region.close()
-            del s
-            gc.collect()
-            torch.cuda.empty_cache()
+                first = _timed(call, device)
+                t0 = time.perf_counter()
+                got = got_by[who] = call()
+                torch.cuda.synchronize(device)
+                secs = time.perf_counter() - t0
+                lengths = sorted(len(x) for x in got)
+                part[who] = {
+                    "first_call_s": first,
+                    "call_s": secs,
+                    "tokens": sum(lengths),
+                    "tokens_per_s": sum(lengths) / secs,
+                    "length_p10_p50_p90_max": [lengths[len(lengths) * q // 10] for q in (1, 5, 9)]
+                    + [lengths[-1]],
+                    "mean_length": sum(lengths) / len(lengths),
+                    "captures": s.captures,
+                }
+                s.region.close()
+                del s
+                gc.collect()
+                torch.cuda.empty_cache()
+            part["speedup"] = part["kept_full"]["tokens_per_s"] / part["static"]["tokens_per_s"]
+            if mode == "greedy":
+                part["same_tokens"] = got_by["static"] == got_by["kept_full"]
+                out["greedy"] = part
+            else:
+                out.update(part)
     finally:
         handle.remove()
-    out["speedup"] = out["kept_full"]["tokens_per_s"] / out["static"]["tokens_per_s"]
     return out
 
 
@@ -387,6 +397,9 @@ def summarize(res: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         s["same_tokens_over_100_cycles"] = rec["same_tokens"]
     if var:
         s["varlen_speedup_vs_static"] = var["speedup"]
+        if "greedy" in var:
+            s["varlen_greedy_speedup_vs_static"] = var["greedy"]["speedup"]
+            s["varlen_greedy_same_tokens"] = var["greedy"]["same_tokens"]
     g = res.get(GQA, {}).get("batches", {}).get("64", {})
     if "ms_per_step" in g.get("rlmem_graphs", {}):
         graph = g["rlmem_graphs"]
