@@ -16,7 +16,8 @@ Public API:
     comm: suspend(), resume(), memory_stats() of NCCL communicator memory, keeping the process groups.
     colocate: a trainer and a rollout engine in separate processes on one GPU: SharedWeights, the Broker
         (ledger, grant), Member (fenced release, admitted acquire), PeerEngine / serve_engine.
-    RemoteEngine: an inference server (rlmem's, vLLM's or SGLang's endpoints) as a rollout engine.
+    RemoteEngine: an inference server (rlmem's, vLLM's or SGLang's endpoints) as a rollout engine;
+        ``rlmem serve`` (``rlmem.serve``) is rlmem's, ``rlmem train engine=server`` trains through it.
     estimate_memory, recommend, ModelShape, Workload, PlanOptions, Hardware, MemoryEstimate: the memory
         planner behind ``rlmem plan`` (what a step and a rollout take, which options make them fit).
     token_budget_batches: variable-length sequences into micro-batches under a token budget, the same
