@@ -100,8 +100,10 @@ class Grant(Result):
 
 def fence_bytes(let_go: int) -> int:
     """The rise of the device's free memory that counts a release of ``let_go`` bytes as back: all of it
-    but 1/64 and 4 MiB (allocation granularity, memory the driver or another library keeps)."""
-    return let_go - min(let_go, let_go // 64 + 4 * MiB)
+    but 1/64 and 4 MiB (allocation granularity, memory the driver or another library keeps), never below 0.
+    A negative ``let_go`` (more taken than given back) allows a fall of as much, with the same slack."""
+    want = let_go - (abs(let_go) // 64 + 4 * MiB)
+    return max(0, want) if let_go >= 0 else want
 
 
 def _gib(n: int) -> str:
@@ -268,10 +270,10 @@ class Member:
             work()
         t1 = time.perf_counter()
         synchronize(self.device)
-        delta = held0 - self._seen_bytes()  # negative if it took more than it gave back since the mark
+        # Negative if it took more than it gave back since the mark (a rollout copy mapped again).
+        delta = held0 - self._seen_bytes()
         let_go = max(0, delta)
-        # Taken since the mark (a rollout copy mapped again) lowers what the free memory may show.
-        want = fence_bytes(let_go) if delta >= 0 else delta - (-delta // 64 + 4 * MiB)
+        want = fence_bytes(delta)
         deadline = time.monotonic() + limit
         while (rise := mem_info(self.device)[0] - free0) < want:
             if time.monotonic() > deadline:

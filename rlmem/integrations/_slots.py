@@ -44,14 +44,10 @@ class Slots:
         self.tokens: list[list[int]] = [[] for _ in self.prompts]
         self.length = [0] * rows  # columns of its row the sequence fills (prompt + tokens fed back)
         self.results: list[list[int] | None] = [None] * len(self.prompts)
-        self.admitted = 0
 
     @property
     def done(self) -> bool:
         return not self.waiting and all(s is None for s in self.seq)
-
-    def active(self) -> list[bool]:
-        return [s is not None for s in self.seq]
 
     def admit(self) -> list[tuple[int, int]]:
         """Waiting sequences into idle rows, lowest row first: ``(row, sequence)`` pairs."""
@@ -61,7 +57,6 @@ class Slots:
                 s = self.waiting.popleft()
                 self.seq[r], self.length[r] = s, len(self.prompts[s])
                 out.append((r, s))
-                self.admitted += 1
         return out
 
     def steps_left(self) -> int:

@@ -703,11 +703,13 @@ class HFSampler:
                         self._use_rows(full, rows, length)
                         cur = self._decode(d, length)
                         lengths.add_(active)
-                    for r in slots.record(block[:, :n].tolist()):
-                        active[r] = 0
-                        lengths[r] = 0
-                        d.mask[r] = False
-                        d.mask[r, 0, 0, 0] = True
+                    ended = slots.record(block[:, :n].tolist())
+                    if ended:  # idle rows: nothing to write, column 0 to attend to (never an empty row)
+                        idx = torch.tensor(ended, device=device)
+                        active[idx] = 0
+                        lengths[idx] = 0
+                        d.mask[idx] = False
+                        d.mask[idx, 0, 0, 0] = True
         finally:
             self._use_rows(full, None)
         out = slots.outputs()

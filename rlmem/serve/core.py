@@ -156,14 +156,9 @@ class ServedModel:
                 if bad:
                     raise ValueError(f"input_ids[{i}] has token {bad[0]} outside the vocabulary of {vocab}")
             t0 = time.perf_counter()
-            try:
-                out = s.generate(
-                    input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-                )
-            except RuntimeError as e:
-                if "asleep" in str(e) or "discarded" in str(e):
-                    raise NotReadyError(str(e)) from e
-                raise
+            out = s.generate(
+                input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+            )
             seconds = time.perf_counter() - t0
         res: dict[str, Any] = {
             "output_ids": out,
@@ -190,9 +185,7 @@ class ServedModel:
                 )
             if s.weights_region is not None and s.weights_region.paused:
                 raise NotReadyError("the weights are asleep: wake them first")
-            own = dict(self.model.named_parameters())
-            if s.weights is not None:
-                own = s.weights
+            own = s.weights if s.weights is not None else dict(self.model.named_parameters())
             opened = open_tensors(handles)
             for name, t in opened:
                 dst = own.get(name)
