@@ -16,7 +16,7 @@ once, the weights plus the mean KV cache over the decode, at the device bandwidt
 A step of rlmem's attends over the cache-length bucket that holds its column (``HFSampler.kv_block``);
 ``generate()``'s static cache attends over the whole cache.
 
-Variable lengths (``--varlen-prompts`` prompts x 8 samples, on the first preset): completions end where a
+Variable lengths (``--varlen-prompts`` prompts x 8 samples, on the headline preset): completions end where a
 rule forces EOS (from the 16th token on, at the ``k``-th with probability 1.5/k, decided by a hash of the
 token and its position: lengths from 16 to ``--new-tokens``, long-tailed, the same rule in both runs),
 sampled at temperature 1, more sequences than the ``--varlen-rows`` rows of the cache: kept full
@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--presets",
         default=f"{GQA},smollm2-135m,{MHA}",
-        help="the first also gets the capture, re-capture and variable-length measurements",
+        help=f"{GQA} (else the first, unless --merge keeps them) also gets the capture, re-capture and "
+        "variable-length measurements",
     )
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -298,14 +299,19 @@ def main(argv: list[str] | None = None) -> int:
     extra = {k: v for k, v in prev.items() if k in ("varlen", "capture", "recapture")}
     rows = []
     max_len = args.prompt_len + args.new_tokens
-    for i, preset in enumerate(presets):
+    # Capture, re-capture and the variable-length case run on the headline preset, else on the first one
+    # unless a merged file has them already (a call that adds rows keeps the headline's).
+    extras_on = GQA if GQA in presets else presets[0]
+    if GQA not in presets and "capture" in extra:
+        extras_on = None
+    for preset in presets:
         model = build(preset, device, torch.bfloat16).eval()
         vocab = vocab_size(preset)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv_token = kv_bytes_per_token(model.config, torch.bfloat16)
         print(f"{preset}: bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB", flush=True)
         per: dict[str, Any] = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_token, "batches": {}}
-        if i == 0:  # capture time and re-captures: the headline preset's sampler of the largest batch
+        if preset == extras_on:  # capture time and re-captures: that preset's sampler of the largest batch
             cap_batch = args.capture_batch or max(batches)
             cap = _sampler(model, cap_batch, max_len, "on", vocab)
             t_cap = cap.capture()

@@ -26,7 +26,7 @@ from torch import nn
 
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 _MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
-_ATTENTIONS = {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"}
+ATTENTIONS = {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -102,7 +102,7 @@ def fused(model: nn.Module, fns: tuple[Callable[..., Any], ...]) -> Iterator[int
                 elif name in _MLPS and _is_silu(getattr(m, "act_fn", None)):
                     m.forward = lambda x, m=m: m.down_proj(gate(m.gate_proj(x), m.up_proj(x)))  # type: ignore
                     swapped.append(m)
-                elif name in _ATTENTIONS:
+                elif name in ATTENTIONS:
                     source = sys.modules.get(type(m).__module__)
                     if source is not None and source not in files and hasattr(source, "apply_rotary_pos_emb"):
                         files[source] = source.apply_rotary_pos_emb

@@ -9,7 +9,10 @@ Every row keeps its own columns: a sequence's prompt fills columns ``0..p-1`` of
 token goes to column ``p + i``, which is also its position. :func:`slot_writes` makes the static cache's
 layers write that way for the duration of a block, instead of at one column shared by the batch: a decode
 step writes row ``r``'s keys and values at column ``cols[r]`` (a device tensor, so the step is a CUDA graph
-like any other), a prefill writes whole rows ``rows`` from column 0.
+like any other), a prefill writes whole rows ``rows`` from column 0. A batch decoding in step (one batch at
+a time, its prompts left-padded to one width) writes the same way, every ``cols[r]`` the same column: the
+same graphs serve both, and a step writes with two kernels where the cache's own update launches five
+(counters and indices in every layer).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Slots", "WritePlan", "slot_writes"]
+__all__ = ["Slots", "WritePlan", "row_bases", "slot_writes", "step_index"]
 
 
 class Slots:
@@ -90,41 +93,58 @@ class Slots:
 
 
 class WritePlan:
-    """How :func:`slot_writes` makes the layers write: ``("decode", cols)`` (row ``r`` at column
-    ``cols[r]``) or ``("prefill", rows)`` (the given rows, from column 0)."""
+    """How :func:`slot_writes` makes the layers write: ``("decode", index)`` (row ``r``, head ``h`` of a
+    step at ``index[r, h]`` of the layer's whole tensor seen as ``(-1, head_dim)`` rows: see
+    :func:`step_index`) or ``("prefill", rows)`` (the given rows, from column 0)."""
 
     def __init__(self) -> None:
         self.mode = "decode"
         self.index: torch.Tensor | None = None
 
-    def decode(self, cols: torch.Tensor) -> None:
-        self.mode, self.index = "decode", cols
+    def decode(self, index: torch.Tensor) -> None:
+        self.mode, self.index = "decode", index
 
     def prefill(self, rows: torch.Tensor) -> None:
         self.mode, self.index = "prefill", rows
 
 
+def step_index(base: torch.Tensor, cols: torch.Tensor | int, out: torch.Tensor) -> torch.Tensor:
+    """Where a decode step writes (``WritePlan.decode``): ``base[r, h] + cols[r]`` into ``out``, ``base``
+    being :func:`row_bases`. One kernel per step, shared by every layer, keys and values."""
+    return torch.add(base, cols if isinstance(cols, int) else cols[:, None], out=out)
+
+
+def row_bases(rows: int, heads: int, max_len: int, device: torch.device) -> torch.Tensor:
+    """Row ``(r, h)`` of a cache tensor ``(rows, heads, max_len, head_dim)`` seen as ``(-1, head_dim)``
+    rows, at column 0."""
+    return (torch.arange(rows * heads, device=device) * max_len).view(rows, heads)
+
+
 @contextlib.contextmanager
-def slot_writes(layers: Sequence[Any], plan: WritePlan) -> Iterator[None]:
+def slot_writes(
+    layers: Sequence[Any], plan: WritePlan, whole: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[None]:
     """Within the block, each cache layer's ``update`` writes per ``plan`` and returns what attention reads:
     the layer's tensors (decode: every row, up to the columns the layer's view spans) or the prefilled
-    rows whole."""
+    rows whole. ``whole``: each layer's keys and values whole (the layers may hold views of fewer rows and
+    columns); a decode step writes through them, one indexed write of ``head_dim`` rows each."""
 
-    def update(layer: Any, key_states: torch.Tensor, value_states: torch.Tensor, *a: Any, **kw: Any) -> Any:
+    def update(
+        layer: Any, k_v: tuple[torch.Tensor, ...], key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> Any:
         idx = plan.index
         assert idx is not None
         if plan.mode == "decode":
-            rows = torch.arange(key_states.shape[0], device=key_states.device)
-            layer.keys[rows, :, idx] = key_states[:, :, 0]
-            layer.values[rows, :, idx] = value_states[:, :, 0]
+            for t, new in zip(k_v, (key_states, value_states), strict=True):
+                t.view(-1, t.shape[-1]).index_put_((idx,), new[:, :, 0])
             return layer.keys, layer.values
         n = key_states.shape[2]
         layer.keys[idx, :, :n] = key_states
         layer.values[idx, :, :n] = value_states
         return layer.keys[idx], layer.values[idx]
 
-    for layer in layers:
-        layer.update = lambda k, v, *a, _l=layer, **kw: update(_l, k, v, *a, **kw)
+    for layer, kv in zip(layers, whole, strict=True):
+        layer.update = lambda k, v, *a, _l=layer, _kv=kv, **kw: update(_l, _kv, k, v)
     try:
         yield
     finally:

@@ -38,7 +38,8 @@ from ..train._engines import check_tags
 from ._fused import fused as _fused
 from ._fused import kernels
 from ._gqa import grouped_decode
-from ._slots import Slots, WritePlan, slot_writes
+from ._qkv import FusedQKV
+from ._slots import Slots, WritePlan, row_bases, slot_writes, step_index
 
 __all__ = ["HFSampler", "kv_bytes_per_token"]
 
@@ -174,6 +175,8 @@ class HFSampler:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         self.model = model
+        self._dtype = dtype  # what the model computes in: its attention's queries, the cache
+        self._qkv: FusedQKV | None = None  # the fused projections, once the cache's Region holds them
         self.max_len = max_len
         self.kv_block = kv_block
         self.batch_size = batch_size
@@ -218,9 +221,22 @@ class HFSampler:
         shapes = [
             ((batch_size, *t.shape[1:]), t.dtype) for layer in layers for t in (layer.keys, layer.values)
         ]
-        nbytes = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in shapes)
-        self.region = Region(nbytes + 256 * len(shapes), device, name=name, paused=bool(asleep))
+        # The fused projections' weights (``_qkv``): a copy derived from the weights, refreshed before each
+        # generation, so it lives and sleeps with the cache. Not for a sharded model sampled as it is (its
+        # weights are whole only inside its forward).
+        if self.fused and (self.weights is not None or not _sharded(model)):
+            self._qkv = FusedQKV(self._runner, dtype) if dtype.is_floating_point else None
+        extra = [(s, dtype) for s in self._qkv.shapes()] if self._qkv is not None else []
+        nbytes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in (*shapes, *extra)]
+        self.region = Region(sum(nbytes) + 256 * len(nbytes), device, name=name, paused=bool(asleep))
         views = [self.region.empty(s, d) for s, d in shapes]
+        self.kv_bytes = sum(nbytes[: len(shapes)])
+        self.fused_weight_bytes = sum(nbytes[len(shapes) :])
+        if self._qkv is not None:
+            if self._qkv.layers:
+                self._qkv.bind([self.region.empty(s, d) for s, d in extra])
+            else:
+                self._qkv = None
         for i, layer in enumerate(layers):
             layer.keys, layer.values = views[2 * i], views[2 * i + 1]
             if hasattr(layer, "batch_size"):
@@ -231,7 +247,6 @@ class HFSampler:
         # CUDA graphs captured so far: one per rows and length bucket, again only if the weights move
         self.captures = 0
         self._decoders: dict[int, _Decode] = {}  # by rows; with CUDA graphs, each holds its graphs
-        self._slot_decoders: dict[int, _Decode] = {}  # the same for kept-full batches (rows written apart)
         self._pool: Any = None
         self.graph_pool_bytes = 0  # device memory the captured graphs' private pool holds
         self._after: Any = None  # order_after()'s event, for the next generate()
@@ -239,18 +254,17 @@ class HFSampler:
         self._capture_stream: Any = None  # where the graphs are warmed up and captured
         self._fingerprint: tuple[int, ...] = ()
 
-    @property
-    def kv_bytes(self) -> int:
-        return self.region.nbytes
-
     def memory(self) -> dict[str, int]:
-        """Device bytes the sampler holds now, by category: ``kv_cache``, ``cuda_graphs`` (their pool) and
-        ``rollout_weights`` (its own copy)."""
+        """Device bytes the sampler holds now, by category: ``kv_cache``, ``cuda_graphs`` (their pool),
+        ``rollout_weights`` (its own copy) and ``fused_weights`` (the fused projections' copy, which lives and
+        sleeps with the cache)."""
         own = self.weights_region.resident_bytes if self.weights_region is not None else 0
+        fused = self.fused_weight_bytes if self.region.resident_bytes else 0
         return {
-            "kv_cache": self.region.resident_bytes,
+            "kv_cache": self.region.resident_bytes - fused,
             "cuda_graphs": self.graph_pool_bytes,
             "rollout_weights": own,
+            "fused_weights": fused,
         }
 
     def use_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -317,7 +331,7 @@ class HFSampler:
             Bytes of pool released (``graph_pool_bytes`` before).
         """
         freed = self.graph_pool_bytes
-        if self._decoders or self._slot_decoders:
+        if self._decoders:
             self._drop_graphs()
             if self.cuda_graphs:  # emptying the cache hands the freed pool back to the driver
                 torch.cuda.synchronize(self.region.device)
@@ -349,6 +363,11 @@ class HFSampler:
             # are gathered only within the root module's forward.
             dtype = self.compute_dtype
             hook = self._runner.get_input_embeddings().register_forward_hook(lambda m, a, out: out.to(dtype))
+        if mask is not None and mask.dim() == 4 and mask.dtype == torch.bool:
+            # Additive, once per step, as SDPA would make it of a boolean mask (0 where True, -inf elsewhere)
+            # in every layer, three kernels each.
+            additive = torch.full(mask.shape, float("-inf"), dtype=self._dtype, device=mask.device)
+            mask = additive.masked_fill_(mask, 0.0)
         kwargs = {
             "input_ids": ids,
             "attention_mask": mask,
@@ -359,8 +378,9 @@ class HFSampler:
         }
         swap = _fused(self._runner, self._kernels) if self.fused else contextlib.nullcontext()
         packed = grouped_decode(self._runner) if self.gqa else contextlib.nullcontext()
+        qkv = self._qkv.swapped() if self._qkv is not None else contextlib.nullcontext()
         try:
-            with self._autocast(ids.device), swap, packed:
+            with self._autocast(ids.device), swap, packed, qkv:
                 if self.weights is None:
                     out = self.model(**kwargs)
                 else:  # the same modules (or the sharded model's twin) over the rollout copy
@@ -382,27 +402,33 @@ class HFSampler:
         return tuple(t.data_ptr() for t in (*params, *self.model.buffers()))
 
     def _drop_graphs(self) -> None:
-        """Forget the decode buffers and their graphs; PyTorch frees the graphs' pool once none holds it."""
-        self._decoders.clear()
-        self._slot_decoders.clear()
+        """Forget the graphs (the decode buffers stay, with what a generation in progress put there); PyTorch
+        frees the graphs' pool once none holds it."""
+        for d in self._decoders.values():
+            d.graphs.clear()
         self._pool = None
         self.graph_pool_bytes = 0
+
+    def _follow_weights(self) -> None:
+        """Drop the graphs if the weights they read moved (adopted, reloaded elsewhere, or gathered anew by
+        FSDP2 in the first forward of a rollout: so checked after a prefill too)."""
+        if self.cuda_graphs:
+            fp = self._weights_fingerprint()
+            if fp != self._fingerprint:
+                self._drop_graphs()
+                self._fingerprint = fp
 
     def _check_awake(self, call: str) -> None:
         if self.region.paused or (self.weights_region is not None and self.weights_region.paused):
             raise RuntimeError(f"HFSampler is asleep: call wake() before {call}()")
 
-    def _decoder(self, size: int, table: dict[int, _Decode] | None = None) -> _Decode:
+    def _decoder(self, size: int) -> _Decode:
         """The fixed decode buffers of ``size`` rows (and their captured graphs, with CUDA graphs)."""
-        if self.cuda_graphs:
-            fp = self._weights_fingerprint()
-            if fp != self._fingerprint:  # the weights moved (adopted or reloaded elsewhere): graphs are stale
-                self._drop_graphs()
-                self._fingerprint = fp
-        table = self._decoders if table is None else table
-        d = table.get(size)
+        self._follow_weights()
+        d = self._decoders.get(size)
         if d is None:
-            d = table[size] = _Decode(size, self.max_len, self.region.device)
+            heads = self.cache.layers[0].keys.shape[1]
+            d = self._decoders[size] = _Decode(size, self.max_len, heads, self.region.device)
         return d
 
     @torch.no_grad()
@@ -421,6 +447,8 @@ class HFSampler:
         if not self.cuda_graphs:
             return 0.0
         t0 = time.perf_counter()
+        if self._qkv is not None:
+            self._qkv.refresh(self._state)
         full = [(layer.keys, layer.values) for layer in self.cache.layers]
         lengths = sorted({self._length(n) for n in range(1, self.max_len + 1)})
         try:
@@ -429,16 +457,24 @@ class HFSampler:
                 d = self._decoder(rows)
                 d.mask.zero_()
                 d.mask[..., 0] = True  # a row with nothing to attend to would compute NaN
-                for length in lengths:
-                    if length not in d.graphs:
-                        self._use_rows(full, rows, length)
-                        self._capture(d, length, count=False)
+                with self._row_writes(d, full):
+                    for length in lengths:
+                        if length not in d.graphs:
+                            self._use_rows(full, rows, length)
+                            self._capture(d, length, count=False)
         finally:
             self._use_rows(full, None)
             self.cache.reset()
             self._count_pool()
         torch.cuda.synchronize(self.region.device)
         return time.perf_counter() - t0
+
+    def _row_writes(self, d: _Decode, full: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """Decode steps write each row's keys and values where ``d.index`` says (``_slots``): one batch at a
+        time and kept full alike, so both run the same graphs."""
+        plan = WritePlan()
+        plan.decode(d.index)
+        return slot_writes(self.cache.layers, plan, full)
 
     def _length(self, n: int) -> int:
         """The cache-length bucket that holds ``n`` columns."""
@@ -458,9 +494,8 @@ class HFSampler:
 
     @torch.no_grad()  # with autograd on, the logits buffer would keep every graph's activations alive
     def _capture(self, d: _Decode, length: int, *, count: bool = True) -> Any:
-        # Warm-up runs write this step's keys and values and advance the cache's length counters: keep the
-        # counters and put them back (the replay rewrites the same slot).
-        lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        # Warm-up runs write this step's keys and values at the rows' columns (``_row_writes``, in force
+        # wherever a step is captured): the replay rewrites the same ones.
         mask = d.mask[..., :length]
         # One side stream for every capture: the pool's freed blocks are reused only by allocations on the
         # stream that freed them, so graphs captured on streams of their own would not share memory.
@@ -473,8 +508,6 @@ class HFSampler:
             # each run writes the same column (the next would lie past the length bucket's view).
             for _ in range(2 if self.captures == 0 else 1):
                 out = self._forward(d.ids, mask, d.pos)
-                for layer, n in zip(self.cache.layers, lengths, strict=True):
-                    layer.cumulative_length.copy_(n)
         torch.cuda.current_stream(self.region.device).wait_stream(side)
         if d.logits is None:  # outside the pool: every length's graph of these rows writes here
             d.logits = torch.empty_like(out)
@@ -578,6 +611,8 @@ class HFSampler:
         after, self._after = self._after, None
         out: list[list[int]] = []
         with contextlib.nullcontext() if after is None else self._own_stream_after(after):
+            if self._qkv is not None:  # the weights may have changed since the last generation
+                self._qkv.refresh(self._state)
             if self.refill and len(prompts) > self.batch_size:
                 out = self._generate_full(prompts, max_new_tokens, temperature, top_p, gen)
             else:
@@ -635,20 +670,21 @@ class HFSampler:
             d = self._decoder(rows)
             d.start(mask[:, :width], pos[:, -1], width)
             length = 0
-            for t in range(max_new_tokens):
-                nxt = _sample(logits[:n], temperature, top_p, gen)
-                nxt = torch.where(done, self.pad_token_id, nxt)
-                steps.append(nxt)
-                done |= nxt == self.eos_token_id
-                # One host sync every few tokens to stop early, instead of one per token.
-                if t + 1 == max_new_tokens or ((t + 1) % self.sync_every == 0 and bool(done.all())):
-                    break
-                d.advance(nxt, width + t)
-                need = self._length(width + t + 1)
-                if need != length:  # the new column opens the next length bucket
-                    length = need
-                    self._use_rows(full, rows, length)
-                logits = self._decode(d, length)
+            with self._row_writes(d, full):
+                for t in range(max_new_tokens):
+                    nxt = _sample(logits[:n], temperature, top_p, gen)
+                    nxt = torch.where(done, self.pad_token_id, nxt)
+                    steps.append(nxt)
+                    done |= nxt == self.eos_token_id
+                    # One host sync every few tokens to stop early, instead of one per token.
+                    if t + 1 == max_new_tokens or ((t + 1) % self.sync_every == 0 and bool(done.all())):
+                        break
+                    d.advance(nxt, width + t)
+                    need = self._length(width + t + 1)
+                    if need != length:  # the new column opens the next length bucket
+                        length = need
+                        self._use_rows(full, rows, length)
+                    logits = self._decode(d, length)
         finally:
             self._use_rows(full, None)
         rows = []
@@ -675,20 +711,22 @@ class HFSampler:
         lengths = torch.zeros(rows, dtype=torch.long, device=device)  # columns each row fills
         active = torch.zeros(rows, dtype=torch.long, device=device)
         block = torch.zeros((rows, self.sync_every), dtype=torch.long, device=device)
-        every = torch.arange(rows, device=device)
         full = [(layer.keys, layer.values) for layer in self.cache.layers]
         cur: torch.Tensor | None = None  # the logits each row samples its next token from
         try:
-            with slot_writes(self.cache.layers, plan):
+            with slot_writes(self.cache.layers, plan, full):
                 self._use_rows(full, None)
                 self.cache.reset()  # rows hold finite values wherever a mask hides them
-                d = self._decoder(rows, self._slot_decoders)
+                d = self._decoder(rows)
                 d.start(d.mask[:0, 0, 0, :0], d.pos[:0, 0], 0)  # every row idle: attends to column 0
                 while not slots.done:
                     admitted = slots.admit()
                     if admitted:
                         self._use_rows(full, None)
+                        first = cur is None
                         cur = self._prefill_rows(admitted, slots, plan, d, lengths, active, cur)
+                        if first:  # the first forward of the rollout may have moved the weights (FSDP2)
+                            self._follow_weights()
                     assert cur is not None
                     n = min(self.sync_every, slots.steps_left())
                     base = max(slots.length[r] for r, s in enumerate(slots.seq) if s is not None)
@@ -697,8 +735,9 @@ class HFSampler:
                         block[:, j] = nxt
                         d.ids[:, 0] = nxt
                         d.pos[:, 0] = lengths
-                        d.mask[every, 0, 0, lengths] = True
-                        plan.decode(d.pos[:, 0])
+                        step_index(d.base, lengths, d.index)
+                        d.mask[d.rows, 0, 0, lengths] = True
+                        plan.decode(d.index)
                         length = self._length(base + j + 1)
                         self._use_rows(full, rows, length)
                         cur = self._decode(d, length)
@@ -823,10 +862,14 @@ class _Decode:
     (True: attend) over the whole cache, updated in place; with CUDA graphs, one graph per cache-length
     bucket and the output logits they all write."""
 
-    def __init__(self, size: int, max_len: int, device: torch.device) -> None:
+    def __init__(self, size: int, max_len: int, heads: int, device: torch.device) -> None:
         self.ids = torch.zeros((size, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((size, 1), dtype=torch.long, device=device)
         self.mask = torch.zeros((size, 1, 1, max_len), dtype=torch.bool, device=device)
+        # Where a step writes each row's keys and values (``_slots.step_index``): column 0 until set.
+        self.base = row_bases(size, heads, max_len, device)
+        self.index = self.base.clone()
+        self.rows = torch.arange(size, device=device)
         self.graphs: dict[int, Any] = {}
         self.logits: torch.Tensor | None = None
 
@@ -845,6 +888,7 @@ class _Decode:
         """The next step's inputs: the sampled ids at the next position, attending to the new column."""
         self.ids[: ids.shape[0], 0] = ids
         self.pos.add_(1)
+        step_index(self.base, column, self.index)
         self.mask[:, 0, 0, column] = True
 
 
