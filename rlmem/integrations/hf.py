@@ -74,8 +74,11 @@ class HFSampler:
             replays.
         fused: ``"auto"`` (default: on with CUDA graphs), ``"on"`` or ``"off"``: run the RMSNorms, MLP gates
             and rotary embeddings of Llama-family models (Llama, Mistral, Qwen2, Qwen3) as one compiled kernel
-            each while sampling (``_fused``); other models and modules run as they are. The arithmetic is the
-            model's own; the rounding of a fused reduction may differ in the last bit from the unfused one.
+            each while sampling (``_fused``), and their query, key and value projections as one GEMM over a
+            copy of the three weights held with the KV cache (``_qkv``: it sleeps with the cache, is refreshed
+            before each generation, and ``memory()`` counts it as ``fused_weights``); other models and modules
+            run as they are. The arithmetic is the model's own; the rounding of a fused reduction may differ
+            in the last bit from the unfused one.
         kv_block: granularity of the cache-length buckets a decode step attends over (a multiple of 8);
             None: ``max_len / 8`` rounded up to a multiple of 64 (at most 8 buckets, graphs, per batch size).
         rollout_dtype: sample from a copy of the model's parameters in this dtype (e.g. ``torch.bfloat16``
