@@ -143,6 +143,10 @@ def test_options_move_the_estimate_the_way_they_should() -> None:
     assert pool > 0 and none.categories["CUDA graph pool (rollout)"] == 0
     assert graphs.train_peak_bytes - none.train_peak_bytes == pool
     assert graphs.rollout_peak_bytes > none.rollout_peak_bytes
+    # and, in rollout only, the fused q/k/v copy: 28 layers of 2048 + 2 x 256 rows over 2048 inputs + a bias
+    qkv = graphs.categories["fused q/k/v copy (rollout)"]
+    assert qkv == 28 * 2560 * 2049 * 2 and none.categories["fused q/k/v copy (rollout)"] == 0
+    assert graphs.points["rollout decode"] - none.points["rollout decode"] >= qkv
 
 
 def test_precision_optimizer_sharding_and_accumulation() -> None:

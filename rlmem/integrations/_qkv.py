@@ -51,9 +51,8 @@ class FusedQKV:
             if len({p.in_features for p in projs}) != 1 or len({p.bias is None for p in projs}) != 1:
                 continue
             self.layers.append((name, m))
-        self.bias = bool(self.layers) and self.layers[0][1].q_proj.bias is not None
-        self.weight: list[torch.Tensor] = []
-        self.bias_: list[torch.Tensor | None] = []
+        self.weights: list[torch.Tensor] = []
+        self.biases: list[torch.Tensor | None] = []
 
     def shapes(self) -> list[tuple[int, ...]]:
         """The tensors the copy needs, in order: each layer's weight (and bias)."""
@@ -68,16 +67,16 @@ class FusedQKV:
     def bind(self, tensors: list[torch.Tensor]) -> None:
         """Hold the copy in ``tensors`` (allocated by the caller, in :meth:`shapes`' order)."""
         it = iter(tensors)
-        self.weight, self.bias_ = [], []
+        self.weights, self.biases = [], []
         for _, m in self.layers:
-            self.weight.append(next(it))
-            self.bias_.append(next(it) if m.q_proj.bias is not None else None)
+            self.weights.append(next(it))
+            self.biases.append(next(it) if m.q_proj.bias is not None else None)
 
     @torch.no_grad()
     def refresh(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy the current weights in: from ``state`` by parameter name where it has them (a rollout copy,
         shared weights), else the modules' own."""
-        for (name, m), w, b in zip(self.layers, self.weight, self.bias_, strict=True):
+        for (name, m), w, b in zip(self.layers, self.weights, self.biases, strict=True):
             for part, out in (("weight", w), ("bias", b)):
                 if out is None:
                     continue
@@ -90,7 +89,7 @@ class FusedQKV:
         slices for ``k_proj`` and ``v_proj`` called next on the same input (any other input: their own
         GEMM)."""
         mods: list[nn.Module] = []
-        for (_, m), w, b in zip(self.layers, self.weight, self.bias_, strict=True):
+        for (_, m), w, b in zip(self.layers, self.weights, self.biases, strict=True):
             sizes = [getattr(m, p).out_features for p in _PROJ]
             kept: dict[str, Any] = {}
 

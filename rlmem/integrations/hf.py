@@ -228,7 +228,7 @@ class HFSampler:
         # generation, so it lives and sleeps with the cache. Not for a sharded model sampled as it is (its
         # weights are whole only inside its forward).
         if self.fused and (self.weights is not None or not _sharded(model)):
-            self._qkv = FusedQKV(self._runner, dtype) if dtype.is_floating_point else None
+            self._qkv = FusedQKV(self._runner, dtype)
         extra = [(s, dtype) for s in self._qkv.shapes()] if self._qkv is not None else []
         nbytes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in (*shapes, *extra)]
         self.region = Region(sum(nbytes) + 256 * len(nbytes), device, name=name, paused=bool(asleep))

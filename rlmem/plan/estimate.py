@@ -201,6 +201,12 @@ def estimate_memory(
     kv = w.kv_budget_bytes or w.rollout_batch * w.rollout_len * shape.kv_bytes_per_token(b)
     roll_pts: dict[str, int] = {}
     graph_pool = 0
+    # rlmem's sampler with graphs fuses each layer's q/k/v projections over a copy of their weights (and
+    # biases), held with the KV cache during rollout.
+    fused_qkv = 0
+    if w.cuda_graphs and (kv or w.rollout_batch):
+        rows = shape.q_dim + 2 * shape.kv_dim
+        fused_qkv = shape.num_hidden_layers * rows * (h + int(shape.attention_bias)) * b
     if kv or w.rollout_batch:
         # Gradients are gone during rollout either way (zero_grad(set_to_none=True), or rlmem's default
         # "discard"); offloading gives back the optimizer states, and the training weights when the engine
@@ -234,7 +240,7 @@ def estimate_memory(
             # graph writes (1 + 1/2 + 1/4 ... < 2 of the largest). A replay's temporaries are the pool's own.
             graph_pool = decode + nb * V * b + 2 * nb * V * b
             decode = 0
-        base = weights + keep + kv + graph_pool
+        base = weights + keep + kv + fused_qkv + graph_pool
         roll_pts = {"prefill": base + prefill, "decode": base + decode, "sampling": base + sampling}
     if graph_pool:  # the graphs' pool stays reserved through the train phase
         points = {k: v + graph_pool for k, v in points.items()}
@@ -255,6 +261,7 @@ def estimate_memory(
         "logits + loss (backward peak)": 12 * V * (w.logits_tokens or T),
         "KV cache": kv,
         "CUDA graph pool (rollout)": graph_pool,
+        "fused q/k/v copy (rollout)": fused_qkv,
         "NCCL (rough)": nccl,
         "CUDA context": w.cuda_context_bytes,
     }

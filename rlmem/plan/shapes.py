@@ -245,7 +245,8 @@ class Workload:
         cuda_context_bytes: the CUDA context and libraries outside PyTorch's allocator.
         cuda_graphs: the rollout decodes with CUDA graphs (as rlmem's HF sampler does on a GPU): their
             private memory pool holds a decode step's temporaries and every bucket's logits, in rollout and,
-            since it stays reserved while the graphs live, in training too.
+            since it stays reserved while the graphs live, in training too; and (its fused kernels, on with
+            graphs) a copy of each layer's q/k/v weights, in rollout only.
 
     Raises:
         ValueError: a field out of range; the message names it.
