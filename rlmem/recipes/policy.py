@@ -145,7 +145,9 @@ class Policy:
     @property
     def engine_categories(self) -> tuple[str, ...]:
         """What the timeline shows of the engine (:meth:`engine_memory`'s keys)."""
-        return SERVER_CATEGORIES if self.cfg.engine == "server" else ("kv_cache", "cuda_graphs")
+        return (
+            SERVER_CATEGORIES if self.cfg.engine == "server" else ("kv_cache", "fused_weights", "cuda_graphs")
+        )
 
     def engine_memory(self) -> dict[str, int]:
         """Device bytes the engine holds now, by category (nothing before it is made)."""
