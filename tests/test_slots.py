@@ -38,6 +38,21 @@ def test_rows_are_refilled_in_order_and_ended_sequences_kept():
         Slots(0, [[1]], max_new=1, eos=0)
 
 
+def test_rows_are_admitted_a_quarter_at_a_time_while_others_decode():
+    s = Slots(8, [[1]] * 11, max_new=4, eos=0)
+    assert s.admit_at == 2 and len(s.admit()) == 8  # all idle: every row at once
+    assert s.record([[0]] + [[5]] * 7) == [0]
+    assert s.admit() == []  # one idle row of eight, seven decoding: it waits for a second
+    assert s.record([[]] + [[0]] + [[5]] * 6) == [1]
+    assert s.admit() == [(0, 8), (1, 9)]
+    assert s.record([[5], [5], [0]] + [[5]] * 5) == [2]
+    assert s.admit() == [(2, 10)]  # one waits: no reason to wait for more idle rows
+    for _ in range(4):
+        s.record([[0]] * 8)
+    assert s.done and len(s.outputs()) == 11
+    assert Slots(3, [[1]], max_new=1, eos=0).admit_at == 1
+
+
 def _prompts(n: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(3, 97) for _ in range(rng.randint(1, 8))] for _ in range(n)]

@@ -35,12 +35,19 @@ class Slots:
         prompts: every sequence's prompt (token ids), in the order they are admitted.
         max_new: tokens a sequence samples at most.
         eos: the id that ends a sequence (kept in its tokens).
+        admit_at: idle rows it takes to admit waiting sequences while others still decode (fewer waiting:
+            as many as wait). Each admission is a prefill, whose host time (an eager forward, ~60 ms on a
+            2.5B model) the decode steps wait for: admitting rows a few at a time costs more than leaving a
+            quarter of the rows idle for a while (``bench/NOTES.md``). None: ``rows // 4``, at least 1.
     """
 
-    def __init__(self, rows: int, prompts: Sequence[Sequence[int]], max_new: int, eos: int) -> None:
+    def __init__(
+        self, rows: int, prompts: Sequence[Sequence[int]], max_new: int, eos: int, admit_at: int | None = None
+    ) -> None:
         if rows < 1 or max_new < 1:
             raise ValueError(f"rows and max_new must be positive, got {rows} and {max_new}")
         self.rows, self.max_new, self.eos = rows, max_new, eos
+        self.admit_at = max(1, rows // 4) if admit_at is None else admit_at
         self.prompts = [list(p) for p in prompts]
         self.waiting: deque[int] = deque(range(len(self.prompts)))
         self.seq: list[int | None] = [None] * rows  # the sequence in each row (None: idle)
@@ -53,7 +60,11 @@ class Slots:
         return not self.waiting and all(s is None for s in self.seq)
 
     def admit(self) -> list[tuple[int, int]]:
-        """Waiting sequences into idle rows, lowest row first: ``(row, sequence)`` pairs."""
+        """Waiting sequences into idle rows, lowest row first: ``(row, sequence)`` pairs; none while fewer
+        than ``admit_at`` rows (or than wait) are idle and others decode."""
+        idle = self.seq.count(None)
+        if idle < self.rows and idle < min(self.admit_at, len(self.waiting)):
+            return []
         out = []
         for r in range(self.rows):
             if self.seq[r] is None and self.waiting:

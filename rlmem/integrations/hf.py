@@ -100,9 +100,11 @@ class HFSampler:
             over the cache as it is, each KV head read once for its group of query heads (``_gqa``), instead
             of through transformers' copy of the cache expanded to every head; ``"off"``: as transformers
             does. The attention is SDPA's in both; only its inputs' layout differs.
-        refill: with more sequences than ``batch_size`` rows, keep the batch full: a row whose sequence
-            ended (checked every ``sync_every`` steps) takes the next waiting one, its prompt prefilled into
-            that row of the cache, instead of each batch running until its longest sequence ends (False).
+        refill: with more sequences than ``batch_size`` rows, keep the batch full: rows whose sequences
+            ended (checked every ``sync_every`` steps) take the next waiting ones, their prompts prefilled
+            into those rows of the cache, once a quarter of the rows (or as many as wait) are idle: each
+            prefill costs the decode steps its host time. Instead of each batch running until its longest
+            sequence ends (False).
             Sequences come back in the order given. Seeded sampling is reproducible for the same prompts,
             seed, ``batch_size`` and ``sync_every``; a sequence's tokens do not depend on which row it took.
         asleep: start asleep: the KV cache's addresses reserved, no memory taken until ``wake()`` (for a
