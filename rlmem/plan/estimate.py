@@ -232,7 +232,8 @@ def estimate_memory(
             nb * S * (3 * b * i + 4 * b * h) + nb * S * M,
             rep + nb * S * (3 * b * q + 4 * b * h) + mask,
         )
-        decode = rep + nb * M * (1 + b) + nb * 3 * b * i
+        # A decode step of rlmem's sampler reads a grouped model's cache as it is (``_gqa``): no repeat.
+        decode = nb * M * (1 + b) + nb * 3 * b * i
         sampling = nb * V * (b + 4 * 4 + 8)  # logits, fp32 copy, softmax, sorted values and int64 indices
         if w.cuda_graphs:
             # One pool for every batch and cache-length bucket: the largest graph's decode temporaries, the
