@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ..integrations._gqa import grouped
 from ..integrations.hf import HFSampler, kv_bytes_per_token
 from ..plan.presets import PRESETS, build, vocab_size
 from ._common import format_table
@@ -75,11 +76,6 @@ def _bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
         best = min(best, time.perf_counter() - t0)
     del a, b
     return 2 * nbytes / best
-
-
-def _grouped(model: Any) -> bool:
-    c = model.config
-    return (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) < c.num_attention_heads
 
 
 def _timed(fn: Any, device: torch.device) -> float:
@@ -120,7 +116,7 @@ def measure(model: Any, rows: int, args: Any, vocab: int, device: torch.device) 
         ("rlmem_graphs_unfused", "on", {"fused": "off"}),
         ("rlmem_graphs", "on", {"fused": "on"}),
     ]
-    if _grouped(model):
+    if grouped(model):  # where gqa='off' differs from the default
         contenders.append(("rlmem_graphs_gqa_off", "on", {"fused": "on", "gqa": "off"}))
     for who, graphs, kw in contenders:
         s = _sampler(model, rows, max_len, graphs, vocab, **kw)

@@ -100,13 +100,13 @@ class HFSampler:
             over the cache as it is, each KV head read once for its group of query heads (``_gqa``), instead
             of through transformers' copy of the cache expanded to every head; ``"off"``: as transformers
             does. The attention is SDPA's in both; only its inputs' layout differs.
-        refill: with more sequences than ``batch_size`` rows, keep the batch full: rows whose sequences
-            ended (checked every ``sync_every`` steps) take the next waiting ones, their prompts prefilled
-            into those rows of the cache, once a quarter of the rows (or as many as wait) are idle: each
-            prefill costs the decode steps its host time. Instead of each batch running until its longest
-            sequence ends (False).
-            Sequences come back in the order given. Seeded sampling is reproducible for the same prompts,
-            seed, ``batch_size`` and ``sync_every``; a sequence's tokens do not depend on which row it took.
+        refill: with more sequences than ``batch_size`` rows, keep the batch full instead of running each
+            batch until its longest sequence ends (False): rows whose sequences ended (checked every
+            ``sync_every`` steps) take the next waiting ones, their prompts prefilled into those rows of the
+            cache, once a quarter of the rows (or as many as wait) are idle, since each prefill costs the
+            decode steps its host time. Sequences come back in the order given. Seeded sampling is
+            reproducible for the same prompts, seed, ``batch_size`` and ``sync_every``; a sequence's tokens
+            do not depend on which row it took.
         asleep: start asleep: the KV cache's addresses reserved, no memory taken until ``wake()`` (for a
             process that makes its sampler before it is given the device).
 
@@ -230,7 +230,8 @@ class HFSampler:
         # generation, so it lives and sleeps with the cache. Not for a sharded model sampled as it is (its
         # weights are whole only inside its forward).
         if self.fused and (self.weights is not None or not _sharded(model)):
-            self._qkv = FusedQKV(self._runner, dtype)
+            qkv = FusedQKV(self._runner, dtype)
+            self._qkv = qkv if qkv.layers else None
         extra = [(s, dtype) for s in self._qkv.shapes()] if self._qkv is not None else []
         nbytes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in (*shapes, *extra)]
         self.region = Region(sum(nbytes) + 256 * len(nbytes), device, name=name, paused=bool(asleep))
@@ -238,10 +239,7 @@ class HFSampler:
         self.kv_bytes = sum(nbytes[: len(shapes)])
         self.fused_weight_bytes = sum(nbytes[len(shapes) :])
         if self._qkv is not None:
-            if self._qkv.layers:
-                self._qkv.bind([self.region.empty(s, d) for s, d in extra])
-            else:
-                self._qkv = None
+            self._qkv.bind([self.region.empty(s, d) for s, d in extra])
         for i, layer in enumerate(layers):
             layer.keys, layer.values = views[2 * i], views[2 * i + 1]
             if hasattr(layer, "batch_size"):

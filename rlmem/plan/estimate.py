@@ -200,13 +200,7 @@ def estimate_memory(
 
     kv = w.kv_budget_bytes or w.rollout_batch * w.rollout_len * shape.kv_bytes_per_token(b)
     roll_pts: dict[str, int] = {}
-    graph_pool = 0
-    # rlmem's sampler with graphs fuses each layer's q/k/v projections over a copy of their weights (and
-    # biases), held with the KV cache during rollout.
-    fused_qkv = 0
-    if w.cuda_graphs and (kv or w.rollout_batch):
-        rows = shape.q_dim + 2 * shape.kv_dim
-        fused_qkv = shape.num_hidden_layers * rows * (h + int(shape.attention_bias)) * b
+    graph_pool = fused_qkv = 0
     if kv or w.rollout_batch:
         # Gradients are gone during rollout either way (zero_grad(set_to_none=True), or rlmem's default
         # "discard"); offloading gives back the optimizer states, and the training weights when the engine
@@ -221,6 +215,10 @@ def estimate_memory(
         S = w.prompt_len or w.rollout_len or 1
         M = w.rollout_len or S  # a static cache: attention runs over all of its positions
         q, kvd, i = shape.q_dim, shape.kv_dim, shape.intermediate_size
+        if w.cuda_graphs:
+            # rlmem's sampler with graphs fuses each layer's q/k/v projections over a copy of their weights
+            # (and biases), held with the KV cache during rollout.
+            fused_qkv = shape.num_hidden_layers * (q + 2 * kvd) * (h + int(shape.attention_bias)) * b
         # With a padding mask, SDPA gets keys and values repeated to every query head (no native GQA
         # with masks), over the whole cache, one layer at a time; the mask is a bool and a float copy.
         rep = 2 * nb * M * q * b if kvd < q else 0
