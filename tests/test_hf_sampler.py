@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from _models import PROMPTS, reference, tiny_qwen2  # noqa: E402
+from _models import PROMPTS, grouped_model, reference, tiny_qwen2  # noqa: E402
 
 from rlmem import OffloadConfig, PhaseManager  # noqa: E402
 from rlmem.integrations.hf import HFSampler, kv_bytes_per_token  # noqa: E402
@@ -95,6 +95,49 @@ def test_bf16_autocast_cache_is_half_the_bytes():
     assert 2 * cache_bytes(s16) == cache_bytes(s32)
     out = s16.generate(PROMPTS, max_new_tokens=6, temperature=0)
     assert len(out) == len(PROMPTS) and all(1 <= len(o) <= 6 for o in out)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_autocast_over_fp32_weights_writes_the_cache_in_the_compute_dtype(family, device):
+    """Under autocast Qwen3's key RMSNorm (an fp32 weight times bf16) gives fp32 keys beside bf16 values: the
+    static cache took the keys' dtype and a bf16 write failed, or kept fp32 keys. Every layer now holds both
+    in the compute dtype, and the model computes as in training: greedy tokens are ``generate()``'s under
+    the same autocast (fp16: bf16 leaves near-ties on these random models)."""
+    model = grouped_model(family, device)
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 8], [11, 12], [20]]
+    for dtype in (torch.bfloat16, torch.float16):
+        for fused in ("off", "on"):
+            kw = dict(compute_dtype=dtype, fused=fused)
+            s = HFSampler(model, max_len=32, batch_size=4, pad_token_id=0, eos_token_id=2, **kw)
+            got = s.generate(prompts, max_new_tokens=10, temperature=0)
+            dtypes = {t.dtype for layer in s.cache.layers for t in (layer.keys, layer.values)}
+            assert dtypes == {dtype}, (dtype, fused)
+            if dtype == torch.float16:
+                with torch.autocast(device, dtype=dtype):
+                    assert got == [reference(model, p, 10) for p in prompts], fused
+
+
+class _NoCacheLM(torch.nn.Module):
+    """Logits from embeddings alone: its forward never writes the cache it is given."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__()
+        self.config = tiny_qwen2("cpu").config
+        self.embed = torch.nn.Embedding(14, 8)
+        self.head = torch.nn.Linear(8, 14)
+        self.broken = broken
+
+    def forward(self, input_ids, **kwargs):
+        if self.broken:
+            raise TypeError("forward() got an unexpected keyword argument 'logits_to_keep'")
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.head(self.embed(input_ids)))
+
+
+def test_a_model_it_cannot_sample_from_is_refused_at_start():
+    with pytest.raises(ValueError, match=r"_NoCacheLM: its layer 0 wrote no keys and values"):
+        HFSampler(_NoCacheLM(), max_len=16, batch_size=2, pad_token_id=0, eos_token_id=2)
+    with pytest.raises(ValueError, match=r"cannot sample from _NoCacheLM: .*TypeError: .*logits_to_keep"):
+        HFSampler(_NoCacheLM(broken=True), max_len=16, batch_size=2, pad_token_id=0, eos_token_id=2)
 
 
 def test_size_from_a_budget_and_bad_sizes():

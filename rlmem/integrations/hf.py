@@ -136,8 +136,6 @@ class HFSampler:
         gqa: str = "auto",
         refill: bool = True,
     ) -> None:
-        from transformers import StaticCache
-
         check_choice("cuda_graphs", cuda_graphs, ("auto", "on", "off"))
         check_choice("fused", fused, ("auto", "on", "off"))
         check_choice("gqa", gqa, ("auto", "off"))
@@ -216,12 +214,12 @@ class HFSampler:
             self.weights = {n: self.weights_region.empty(p.shape, rollout_dtype) for n, p in named.items()}
             self._state = {**self.weights, **buffers}
             self.sync_weights()
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache = _static_cache(model.config, max_len, dtype)
         # One forward step of a single sequence initialises every layer (shapes, dtype, device: through the
         # public path, which holds across transformers releases); each layer's tensors are then replaced by
         # views of the full batch in the Region. Probing at the full batch would hold the whole cache twice.
-        with torch.no_grad():
-            self._forward(torch.full((1, 1), pad_token_id, dtype=torch.long, device=device), None, None)
+        # A model the sampler cannot serve fails here, at start, not in the middle of a rollout.
+        self._probe(torch.full((1, 1), pad_token_id, dtype=torch.long, device=device))
         layers = self.cache.layers
         shapes = [
             ((batch_size, *t.shape[1:]), t.dtype) for layer in layers for t in (layer.keys, layer.values)
@@ -256,6 +254,28 @@ class HFSampler:
         self._stream: Any = None  # the sampler's own stream, made on the first order_after()
         self._capture_stream: Any = None  # where the graphs are warmed up and captured
         self._fingerprint: tuple[int, ...] = ()
+
+    @torch.no_grad()
+    def _probe(self, ids: torch.Tensor) -> None:
+        """One decode step of one sequence into the cache, which initialises its layers; raises ``ValueError``
+        naming why if the model cannot be sampled this way."""
+        name = type(self.model).__name__
+        try:
+            self._forward(ids, None, None)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as e:
+            raise ValueError(
+                f"HFSampler cannot sample from {name}: one decode step into a static KV cache failed "
+                f"({type(e).__name__}: {e})"
+            ) from e
+        for i, layer in enumerate(self.cache.layers):
+            kv = (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.numel() for t in kv):
+                raise ValueError(
+                    f"HFSampler cannot sample from {name}: its layer {i} wrote no keys and values into the "
+                    f"static KV cache (a model must call Cache.update from its attention)"
+                )
 
     def memory(self) -> dict[str, int]:
         """Device bytes the sampler holds now, by category: ``kv_cache``, ``cuda_graphs`` (their pool),
@@ -357,15 +377,9 @@ class HFSampler:
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None
     ) -> torch.Tensor:
-        """Last-position logits. Under autocast the embeddings enter in the compute dtype: the rotary tables
-        follow their dtype, so keys and values reach the cache in one dtype (fp32 keys beside bf16 values
-        would not fit one static cache)."""
-        hook = None
-        if self.compute_dtype is not None:
-            # A hook inside the model's own forward, not a separate embedding call: under FSDP2 the weights
-            # are gathered only within the root module's forward.
-            dtype = self.compute_dtype
-            hook = self._runner.get_input_embeddings().register_forward_hook(lambda m, a, out: out.to(dtype))
+        """Last-position logits. Under autocast the model computes as it does in training (its residual
+        stream in the weights' dtype); the cache stores keys and values in the compute dtype
+        (``_static_cache``)."""
         if mask is not None and mask.dim() == 4 and mask.dtype == torch.bool:
             # Additive, once per step, as SDPA would make it of a boolean mask (0 where True, -inf elsewhere)
             # in every layer, three kernels each.
@@ -382,15 +396,11 @@ class HFSampler:
         swap = _fused(self._runner, self._kernels) if self.fused else contextlib.nullcontext()
         packed = grouped_decode(self._runner) if self.gqa else contextlib.nullcontext()
         qkv = self._qkv.swapped() if self._qkv is not None else contextlib.nullcontext()
-        try:
-            with self._autocast(ids.device), swap, packed, qkv:
-                if self.weights is None:
-                    out = self.model(**kwargs)
-                else:  # the same modules (or the sharded model's twin) over the rollout copy
-                    out = torch.func.functional_call(self._runner, self._state, (), kwargs, strict=False)
-        finally:
-            if hook is not None:
-                hook.remove()
+        with self._autocast(ids.device), swap, packed, qkv:
+            if self.weights is None:
+                out = self.model(**kwargs)
+            else:  # the same modules (or the sharded model's twin) over the rollout copy
+                out = torch.func.functional_call(self._runner, self._state, (), kwargs, strict=False)
         return out.logits[:, -1]
 
     def _buckets(self) -> list[int]:
@@ -799,6 +809,26 @@ class HFSampler:
         whole = (n is None or n == self.batch_size) and (length is None or length == self.max_len)
         for layer, (k, v) in zip(self.cache.layers, full, strict=True):
             layer.keys, layer.values = (k, v) if whole else (k[:n, :, :length], v[:n, :, :length])
+
+
+def _static_cache(config: Any, max_len: int, dtype: torch.dtype) -> Any:
+    """``transformers.StaticCache`` whose layers take keys and values in ``dtype``, the compute dtype.
+
+    A static cache allocates its layers in the dtype of the first keys (or keys and values) written to it,
+    and later writes must match. Under autocast over fp32 weights they need not: Qwen3 normalises its keys
+    with an RMSNorm whose fp32 weight times the bf16 projection gives fp32 keys, while its values leave
+    ``v_proj`` in bf16, so the cache was made fp32 and the first bf16 write failed (``index_copy_``), or,
+    where transformers sizes values apart, kept fp32 keys at twice the bytes. Attention casts its inputs to
+    the autocast dtype either way, so storing them in it changes no result. ``.to`` is a no-op where the
+    dtype already matches (every family whose keys and values leave their projections as they are).
+    """
+    from transformers import StaticCache
+
+    class _Cache(StaticCache):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kw)
+
+    return _Cache(config=config, max_cache_len=max_len)
 
 
 def _sharded(model: nn.Module) -> bool:
