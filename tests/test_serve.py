@@ -1,7 +1,9 @@
 """``rlmem serve`` in a process of its own, driven through :class:`rlmem.RemoteEngine` (rlmem's flavor) on a
 Unix socket: generation (text and token ids, greedy identical to the same sampler in this process),
 sleep and wake, weight updates by handle (shared memory on the host, CUDA IPC on a GPU), every bad
-request a 4xx with a message and the server alive after it, the token on TCP, SIGTERM ending it cleanly.
+request a 4xx with a message and the server alive after it (types strict: a bool is not an int, a float
+not a count), a request without ``max_new_tokens`` fitting ``max_len``, the token on TCP, SIGTERM ending
+it cleanly.
 Every process started is killed at the end whatever happens; every wait is bounded."""
 
 from __future__ import annotations
@@ -97,8 +99,18 @@ def test_serve_generate_sleep_wake_update_and_bad_requests(device, tmp_path, pro
     assert got["updated"] == len(dict(other.model.named_parameters()))
     assert eng.generate(ids, max_new_tokens=12) == other.generate(ids, max_new_tokens=12, temperature=0.0)
 
-    # Bad requests: a 4xx naming what is wrong; nothing changed; the server keeps serving.
     http = httpx.Client(base_url="http://rlmem", transport=httpx.HTTPTransport(uds=str(sock)), timeout=60)
+    # Without max_new_tokens: the room the longest prompt leaves within this server's max_len (48, less
+    # than the default of 64 a request would otherwise be refused for).
+    r = http.post("/generate", json={"input_ids": ids})
+    assert r.status_code == 200, r.text
+    room = MAX_LEN - max(len(x) for x in ids)
+    assert r.json()["output_ids"] == other.generate(ids, max_new_tokens=room, temperature=0.0)
+
+    # Bad requests: a 4xx naming what is wrong; nothing changed; the server keeps serving. Types are
+    # strict: a bool is not an int, a float not a count, a string not a number.
+    full = [1] + [3] * (MAX_LEN - 1)
+    h = {"name": "x", "dtype": "float32", "shape": [2], "stride": [1], "offset": 0, "kind": "shm"}
     bad = [
         ("/generate", {"prompts": ["12="], "bogus": 1}, 422, "bogus"),
         ("/generate", {"input_ids": [[1, 99999]]}, 400, "outside the vocabulary"),
@@ -109,11 +121,41 @@ def test_serve_generate_sleep_wake_update_and_bad_requests(device, tmp_path, pro
         ("/sleep", {"level": 3}, 422, "level"),
         ("/wake", {"tags": ["kv"]}, 422, "tags"),
         ("/update_weights_from_tensor", {"tensors": [{"name": "x"}]}, 400, "dtype"),
+        ("/generate", {"input_ids": [full]}, 400, f"{MAX_LEN} tokens leaves no room"),
+        ("/generate", {"input_ids": [full]}, 400, f"max_len={MAX_LEN}"),
+        ("/generate", {"input_ids": [[1, 3]], "max_new_tokens": 3.0}, 422, "max_new_tokens"),
+        ("/generate", {"input_ids": [[1, 3]], "max_new_tokens": True}, 422, "max_new_tokens"),
+        ("/generate", {"input_ids": [[1, 3]], "max_new_tokens": "3"}, 422, "max_new_tokens"),
+        ("/generate", {"input_ids": [[1, True]]}, 422, "input_ids"),
+        ("/generate", {"input_ids": [[1, 3.0]]}, 422, "input_ids"),
+        ("/generate", {"prompts": [12]}, 422, "prompts"),
+        ("/generate", {"input_ids": [[1, 3]], "temperature": True}, 422, "temperature"),
+        ("/generate", {"input_ids": [[1, 3]], "temperature": "1"}, 422, "temperature"),
+        ("/generate", {"input_ids": [[1, 3]], "top_p": True}, 422, "top_p"),
+        ("/generate", {"input_ids": [[1, 3]], "seed": 7.0}, 422, "seed"),
+        ("/generate", {"input_ids": [[1, 3]], "seed": True}, 422, "seed"),
+        ("/generate", {"input_ids": [[1, 3]], "seed": 2**64}, 422, "seed"),
+        ("/sleep", {"level": True}, 422, "level"),
+        ("/sleep", {"level": 1.0}, 422, "level"),
+        ("/sleep", {"level": "1"}, 422, "level"),
+        ("/wake", {"tags": "weights"}, 422, "tags"),
+        ("/update_weights_from_tensor", {"tensors": [{**h, "shape": [True]}]}, 422, "shape"),
+        ("/update_weights_from_tensor", {"tensors": [{**h, "offset": 0.0}]}, 422, "offset"),
+        ("/update_weights_from_tensor", {"tensors": [{**h, "storage_bytes": 8.0}]}, 422, "storage_bytes"),
+        ("/flush_cache", {"bogus": 1}, 422, "bogus"),
     ]
     for path, body, code, words in bad:
         r = http.post(path, json=body)
         assert r.status_code == code, (path, body, r.text)
         assert words in r.text, (path, r.text)
+        assert eng.health() and not eng.is_sleeping(), (path, body)
+    # Well-typed requests that pydantic's lax mode would also take still do: an int temperature, a
+    # flush with no body or an empty one.
+    assert eng.generate(ids, max_new_tokens=12, temperature=1, seed=7) == eng.generate(
+        ids, max_new_tokens=12, temperature=1.0, seed=7
+    )
+    assert http.post("/flush_cache").json() == {"flushed": True}
+    assert http.post("/flush_cache", json={}).json() == {"flushed": True}
     wrong = {"model.no_such.weight": torch.zeros(2, device=device)}
     with pytest.raises(RemoteError, match=r"400.*no weight named"):
         eng.update_weights_from_tensor(wrong)
@@ -128,6 +170,47 @@ def test_serve_generate_sleep_wake_update_and_bad_requests(device, tmp_path, pro
     assert p.wait(30) == 0
     assert "stopped" in p.stdout.read()
     assert not sock.exists()
+
+
+def test_serve_default_max_new_tokens_fits_max_len(device, monkeypatch):
+    """Without ``max_new_tokens`` a request gets the room its longest prompt leaves within ``max_len``, at
+    most 64, and a 400 naming the prompt's length and ``max_len`` when there is none (the app in this
+    process: what the sampler is asked for is the point, and an EOS would hide it in the answer)."""
+    from fastapi.testclient import TestClient
+
+    from rlmem.serve.app import make_app
+    from rlmem.serve.core import ServedModel
+
+    max_len = 96
+    model = build_policy(GRPOConfig(model="tiny"), torch.device(device), _dtype(device), 14, max_len)
+    kw = dict(max_len=max_len, batch_size=4, pad_token_id=0, eos_token_id=2, cuda_graphs="off")
+    core = ServedModel(model.eval(), sampler=kw, name="tiny")
+    asked: list[int] = []
+    real = core.sampler.generate
+
+    def spy(prompts, **kw):
+        asked.append(kw["max_new_tokens"])
+        return real(prompts, **kw)
+
+    monkeypatch.setattr(core.sampler, "generate", spy)
+    try:
+        http = TestClient(make_app(core))
+        for lengths, want in [
+            ([6, 3], 64),  # room for more: capped at the old fixed default
+            ([40, 3], max_len - 40),  # the longest prompt leaves less
+            ([max_len - 1], 1),
+        ]:
+            r = http.post("/generate", json={"input_ids": [[1] * n for n in lengths]})
+            assert r.status_code == 200, r.text
+            assert asked[-1] == want and all(len(o) <= want for o in r.json()["output_ids"])
+        r = http.post("/generate", json={"input_ids": [[1] * 6], "max_new_tokens": 5})
+        assert r.status_code == 200 and asked[-1] == 5
+        r = http.post("/generate", json={"input_ids": [[1] * 3, [1] * max_len]})
+        assert r.status_code == 400 and f"{max_len} tokens" in r.text and f"max_len={max_len}" in r.text
+        assert len(asked) == 4  # refused before sampling
+        assert http.get("/health").json()["ready"]
+    finally:
+        core.close()
 
 
 def _free_port() -> int:

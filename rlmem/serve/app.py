@@ -5,17 +5,21 @@ speaks.
   ``GET /is_sleeping`` → ``{"is_sleeping"}`` (vLLM's shape); ``GET /memory`` → the cache's shape and what
   the process holds (its ledger entry with a broker);
 - ``POST /generate`` ``{"prompts": [str]} | {"input_ids": [[int]]}, "max_new_tokens", "temperature",
-  "top_p", "seed"`` → ``{"output_ids", "completions" (with a tokenizer), "tokens", "seconds"}``;
+  "top_p", "seed"`` → ``{"output_ids", "completions" (with a tokenizer), "tokens", "seconds"}``; without
+  ``max_new_tokens``, the room the longest prompt leaves within the server's ``max_len``, at most 64 (a
+  prompt that leaves none is a 400);
 - ``POST /sleep {"level": 1 | 2}``, ``POST /wake {"tags": ["weights", "kv_cache"] | null}``;
 - ``POST /update_weights_from_tensor {"tensors": [...]}``: handles of another process's tensors
   (:func:`~rlmem.colocate.ipc.share_tensors`: CUDA IPC, or shared memory on the host), copied in by name;
-- ``POST /flush_cache``: there is no prefix cache to drop; answers ``{"flushed": true}``.
+- ``POST /flush_cache`` (no body, or ``{}``): there is no prefix cache to drop; answers ``{"flushed": true}``.
 
 A malformed request is a 422 naming the field, a bad value a 400, a request the server cannot do now
 (asleep, no weights yet) a 409, a device without the memory a 503 (``"out of memory: ..."``); every error
-body is
-``{"detail": message}`` and the server keeps serving. With a token every request but ``/health`` needs
-``Authorization: Bearer TOKEN`` (401 otherwise).
+body is ``{"detail": message}`` (a 422's message is pydantic's list of errors, each with its field's
+``loc``) and the server keeps serving. Types are strict, as rlmem's own argument checks are: a bool is not
+an int (``{"level": true}`` is not level 1), a float is not a count (``"max_new_tokens": 3.0``), a string is
+not a number; a float field takes an int (``"temperature": 1``) but not infinity or NaN. With a token every
+request but ``/health`` needs ``Authorization: Bearer TOKEN`` (401 otherwise).
 """
 
 from __future__ import annotations
@@ -35,28 +39,62 @@ __all__ = ["make_app"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict types, unknown fields refused: pydantic's lax mode would take ``true`` for 1 and ``3.0`` or
+    ``"3"`` for 3, which rlmem's own argument checks refuse, so a client's mistake would run as something
+    it did not ask for."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class GenerateRequest(_Strict):
     prompts: list[str] | None = None
     input_ids: list[list[int]] | None = None
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    max_new_tokens: int | None = Field(None, ge=1)  # None: what fits max_len, at most 64 (core.py)
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
 
 
 class SleepRequest(_Strict):
-    level: Literal[1, 2] = 1
+    # An int with bounds, not Literal[1, 2]: pydantic matches a literal by equality even in strict mode,
+    # so ``true`` would be level 1.
+    level: int = Field(1, ge=1, le=2)
 
 
 class WakeRequest(_Strict):
     tags: list[Literal["weights", "kv_cache"]] | None = None
 
 
+class _Handle(_Strict):
+    """The types of the fields :func:`~rlmem.colocate.ipc.open_tensors` reads (it coerces with ``int()``
+    and ``bool()``). A field left out stays out, for it to refuse with a 400 naming it; fields it does not
+    read are let through, the layout being ``share_tensors``'s."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = None
+    dtype: str | None = None
+    kind: str | None = None
+    shape: list[int] | None = None
+    stride: list[int] | None = None
+    offset: int | None = None
+    storage_bytes: int | None = None
+    handle: str | None = None
+    manager: str | None = None  # kind "shm"; the rest are "cuda_ipc"'s
+    device: int | None = None
+    storage_offset_bytes: int | None = None
+    ref_counter_handle: str | None = None
+    ref_counter_offset: int | None = None
+    event_handle: str | None = None
+    event_sync_required: bool | None = None
+
+
 class TensorsRequest(_Strict):
-    tensors: list[dict[str, Any]]
+    tensors: list[_Handle]
+
+
+class FlushRequest(_Strict):
+    """Nothing to give; a body with a field in it is a 422 rather than ignored."""
 
 
 def make_app(core: ServedModel, *, token: str | None = None) -> Any:
@@ -110,6 +148,9 @@ def make_app(core: ServedModel, *, token: str | None = None) -> Any:
 
     @app.post("/generate", dependencies=auth)
     def generate(req: GenerateRequest) -> dict[str, Any]:
+        """Completions; without ``max_new_tokens`` as many tokens as the longest prompt leaves room for
+        within ``max_len``, at most 64 (:meth:`ServedModel.generate`), a 400 naming the prompt's length and
+        ``max_len`` when it leaves none."""
         return core.generate(**req.model_dump())
 
     @app.post("/sleep", dependencies=auth)
@@ -122,10 +163,10 @@ def make_app(core: ServedModel, *, token: str | None = None) -> Any:
 
     @app.post("/update_weights_from_tensor", dependencies=auth)
     def update(req: TensorsRequest) -> dict[str, Any]:
-        return core.update_from_tensors(req.tensors)
+        return core.update_from_tensors([h.model_dump(exclude_unset=True) for h in req.tensors])
 
     @app.post("/flush_cache", dependencies=auth)
-    def flush_cache() -> dict[str, bool]:
+    def flush_cache(req: FlushRequest | None = None) -> dict[str, bool]:
         return {"flushed": True}
 
     return app

@@ -22,7 +22,11 @@ from ..colocate import AttachedWeights, EngineSeat, Member
 from ..colocate.ipc import open_tensors
 from ..integrations.hf import HFSampler
 
-__all__ = ["NotReadyError", "ServedModel"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "NotReadyError", "ServedModel"]
+
+DEFAULT_MAX_NEW_TOKENS = 64
+"""A request's ``max_new_tokens`` when it gives none, at most: what the room its longest prompt leaves
+within ``max_len`` allows, so that a server with a short ``max_len`` still answers such requests."""
 
 
 class NotReadyError(RuntimeError):
@@ -121,7 +125,7 @@ class ServedModel:
         *,
         input_ids: list[list[int]] | None = None,
         prompts: list[str] | None = None,
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
@@ -129,8 +133,13 @@ class ServedModel:
         """Completions of token-id prompts (``input_ids``) or text ones (``prompts``, which need a
         tokenizer): ``output_ids`` always, ``completions`` (text) with a tokenizer.
 
+        ``max_new_tokens=None`` takes the room the longest prompt leaves within the sampler's ``max_len``,
+        at most :data:`DEFAULT_MAX_NEW_TOKENS`: a fixed default would refuse every such request on a server
+        whose ``max_len`` is that default or less.
+
         Raises:
-            ValueError: bad arguments. NotReadyError: asleep, or no weights yet.
+            ValueError: bad arguments; a prompt that leaves no room for a completion within ``max_len``.
+            NotReadyError: asleep, or no weights yet.
         """
         if (input_ids is None) == (prompts is None):
             raise ValueError("give exactly one of prompts (text) or input_ids (token ids)")
@@ -155,6 +164,14 @@ class ServedModel:
                 bad = [t for t in ids if not 0 <= t < (vocab or 2**62)]
                 if bad:
                     raise ValueError(f"input_ids[{i}] has token {bad[0]} outside the vocabulary of {vocab}")
+            if max_new_tokens is None:
+                longest = max(len(ids) for ids in input_ids)
+                if longest >= s.max_len:
+                    raise ValueError(
+                        f"a prompt of {longest} tokens leaves no room for a completion within "
+                        f"max_len={s.max_len}: shorten it (or serve with a larger --max-len)"
+                    )
+                max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, s.max_len - longest)
             t0 = time.perf_counter()
             out = s.generate(
                 input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
