@@ -1,7 +1,8 @@
 """Two processes, one device, one ledger: handoffs through the broker with fenced releases and admitted
 acquires, the ledger never over its capacity, the trainer's state bit-identical and the rollout process
 reading each sync's weights; an acquire that waits and then fails naming the peer with nothing lost; a
-release whose memory another process still maps; a peer of another user refused; either side killed
+release whose memory another process still maps; a release of memory partly touched, at once, and one held
+out of the ledger's sight, named as such; a peer of another user refused; either side killed
 mid-switch while the other keeps its data and goes on. Every wait is bounded; children are killed at the
 end whatever happens."""
 
@@ -221,8 +222,9 @@ def test_a_release_counts_only_once_the_memory_is_back(broker_path, children):
         for fd in fds:
             os.close(fd)
         # The peer still maps the memory: pausing frees nothing, and the fence says who holds on.
-        with pytest.raises(FenceError, match=rf"pid {ro.pid} \(rollout\) .*mapping another's weights"):
+        with pytest.raises(FenceError, match=rf"pid {ro.pid} \(rollout\) .*mapping another's weights") as err:
             me.release(lambda: shared.region.pause(keep=False), timeout=0.3)
+        assert "memory another process still maps" in str(err.value)
         assert me.status()["holder"] == "train"  # not counted: the device was not given up
         me.call("rollout", "unmap")
         fence = me.release(timeout=10)
@@ -233,6 +235,55 @@ def test_a_release_counts_only_once_the_memory_is_back(broker_path, children):
     finally:
         broker.close()
     assert ro.wait(30) == 0
+
+
+def test_a_release_gives_back_what_was_touched_at_once(broker_path):
+    # Pages of a shareable host Region never touched take no shared memory: a fence that waited for the
+    # Region's whole size to come back would wait out its time-out for what cannot come.
+    with Broker(broker_path):
+        me = Member("train", path=broker_path, device="cpu", timeout=30)
+        region = Region(64 * MiB, "cpu", chunk_bytes=16 * MiB, shareable=True, name="partly")
+        t = region.empty(region.nbytes // 4, torch.float32)
+        t[4 * MiB : 8 * MiB].fill_(1.5)  # one chunk of four written
+        me.track("optimizer", region)
+        assert region.committed_bytes == 16 * MiB < region.resident_bytes
+        for why, keep, touched in (
+            ("partly written, kept", True, 16 * MiB),
+            ("resumed after a discard, never written", False, 0),
+        ):
+            me.acquire(timeout=10)
+            t0 = time.monotonic()
+            fence = me.release(lambda k=keep: region.pause(keep=k), timeout=20)
+            assert time.monotonic() - t0 < 5, why  # not the 20 s time-out
+            assert fence.released_bytes == touched, why
+            region.resume()
+            if keep:
+                assert float(t[4 * MiB]) == 1.5 and float(t[0]) == 0.0
+                region.pause(keep=False)  # discarded, then resumed and not written: nothing to wait for
+                region.resume()
+        assert region.committed_bytes == 0 and region.resident_bytes == region.nbytes
+        me.close()
+
+
+def test_a_release_held_outside_the_ledger_says_so(broker_path):
+    # No other member: the memory that does not come back is held by something the ledger cannot see, here
+    # a descriptor of this process's export() still open; the error must not blame another process's map.
+    with Broker(broker_path):
+        me = Member("train", path=broker_path, device="cpu", timeout=30)
+        region = Region(32 * MiB, "cpu", shareable=True, name="exported")
+        region.empty(region.nbytes // 4, torch.float32).fill_(1.0)
+        me.track("optimizer", region)
+        me.acquire(timeout=10)
+        _, fds = region.export()
+        cause = r"no other member is at the broker.*export\(\) still open"
+        with pytest.raises(FenceError, match=cause) as err:
+            me.release(lambda: region.pause(keep=False), timeout=0.3)
+        assert "another process still maps" not in str(err.value)
+        for fd in fds:
+            os.close(fd)
+        fence = me.release(timeout=10)  # measured from the same mark: the memory is back now
+        assert fence.released_bytes == region.nbytes and fence.free_rise_bytes >= fence.released_bytes // 2
+        me.close()
 
 
 def test_a_peer_of_another_user_is_refused(broker_path):

@@ -1,6 +1,7 @@
 """Regions shared between two real processes: the memory one process exported is mapped by the other at
 addresses of its own; writes are seen both ways; the memory is freed only once both have let it go; after
-the owner's resume the peer maps the new memory at its same addresses and reads what the owner kept."""
+the owner's resume the peer maps the new memory at its same addresses and reads what the owner kept;
+descriptors of another Region are refused, naming the chunk, before anything is mapped."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from _helpers import run_fresh
 
 from rlmem import Region
 from rlmem.memory.sharing import SharedLayout
@@ -195,3 +197,81 @@ def test_sharing_refuses_what_it_cannot_do(tmp_path):
         SharedLayout.from_dict({"name": "x"})
     with pytest.raises(ValueError, match="shareable must be True or False"):
         Region(4 * MiB, "cpu", shareable=1)
+
+
+# Descriptors of another Region, checked on attach and reattach. Run in a fresh process: a host file
+# shorter than its chunk, if it were mapped, would kill the process with SIGBUS at the first read there.
+MISMATCH = """
+import json, os, torch
+from rlmem import Region
+MiB = 1 << 20
+device = {device!r}
+if device == "cuda":
+    torch.cuda.init()
+
+
+def memfd_maps():
+    with open("/proc/self/maps") as f:
+        return sum("memfd:rlmem-region" in line for line in f)
+
+
+owner = Region(16 * MiB, device, chunk_bytes=4 * MiB, shareable=True, name="owner")
+small = Region(8 * MiB, device, chunk_bytes=2 * MiB, shareable=True, name="small")  # 4 chunks as well
+owner.empty(owner.nbytes // 4, torch.float32).fill_(2.0)
+layout, fds = owner.export()
+_, wrong = small.export()
+mixed = fds[:3] + wrong[3:]  # only the last chunk's descriptor is another Region's
+out = {{}}
+{body}
+print(json.dumps(out))
+"""
+
+ATTACH = """
+maps = memfd_maps()
+try:
+    peer = Region.attach(layout, mixed)
+except ValueError as e:
+    out["error"] = str(e)
+else:
+    out["sum"] = float(peer.view(0, peer.nbytes // 4, torch.float32).double().sum())
+out["maps_left"] = memfd_maps() - maps
+for bad, key in ((fds[:3], "count"), (fds[:3] + [10**6], "closed")):
+    try:
+        Region.attach(layout, bad)
+    except ValueError as e:
+        out[key] = str(e)
+"""
+
+REATTACH = """
+peer = Region.attach(layout, fds)
+view = peer.view(0, peer.nbytes // 4, torch.float32)
+peer.pause(keep=False)
+maps = memfd_maps()
+try:
+    peer.reattach(layout, mixed)
+except ValueError as e:
+    out["error"] = str(e)
+else:
+    out["sum"] = float(view.double().sum())
+out["maps_left"] = memfd_maps() - maps
+out["paused"], out["resident"] = peer.paused, peer.resident_bytes
+peer.reattach(layout, fds)  # the right ones: the Region was left ready for them
+out["sum_after"] = float(view.double().sum())
+"""
+
+
+@pytest.mark.parametrize("body", [ATTACH, REATTACH], ids=["attach", "reattach"])
+def test_descriptors_of_another_region_are_refused_before_mapping(device, body):
+    got = run_fresh(MISMATCH.format(device=device, body=body), timeout=300)
+    chunk, off = 4 * MiB, 12 * MiB
+    assert "sum" not in got, "mapped descriptors of another Region"
+    assert f"chunk 3 at offset {off} expects {chunk} bytes, but " in got["error"]
+    if device == "cpu":
+        assert f"its descriptor fds[3] holds {2 * MiB} bytes" in got["error"]
+    assert got["maps_left"] == 0  # nothing of the owner's left mapped (host backend: its memfds)
+    if body is ATTACH:
+        assert "fds: 3 descriptors for the 4 chunks" in got["count"]
+        assert "chunk 3 at offset" in got["closed"] and "fds[3] cannot be mapped" in got["closed"]
+    else:
+        assert got["paused"] and got["resident"] == 0
+        assert got["sum_after"] == 2.0 * (16 * MiB // 4)

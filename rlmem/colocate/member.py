@@ -9,7 +9,9 @@ then ``acquire()`` on the other:
   device has finished, then until the device's free memory has risen by what this process stopped holding,
   and only then tells the broker. A release that returns is memory another process can have; one whose
   memory does not come back (another process still maps it) fails with :class:`FenceError`, naming who maps
-  what, instead of counting.
+  what (or, when no member maps anything, what else can hold it), instead of counting. What it waits for is
+  what this process's memory took: on the host backend the pages its shared files hold, not pages never
+  touched.
 - ``acquire(need)`` waits (bounded) for the grant, then for ``need`` bytes to be free (a release in flight),
   and raises rlmem's :class:`~rlmem.OutOfMemoryError` naming the peers (pid, role, holdings) when they do not
   come; it changes nothing of the caller's, so whatever it had paused stays paused and a retry works.
@@ -69,7 +71,8 @@ class PeerLostError(ConnectionError):
 
 
 class FenceError(TimeoutError):
-    """A release whose memory did not come back to the device in time (another process still maps it)."""
+    """A release whose memory did not come back to the device in time (another process still maps it, or
+    something out of the ledger's sight holds it: the message says which)."""
 
 
 class RemoteError(RuntimeError):
@@ -78,9 +81,9 @@ class RemoteError(RuntimeError):
 
 @dataclass(frozen=True)
 class Fence(Result):
-    """What a fenced :meth:`Member.release` saw: bytes it let go by its holdings, the rise of the device's
-    free memory, and the seconds from the start of the work to the fence (``wait_s``: spent waiting for the
-    device and the memory after the work)."""
+    """What a fenced :meth:`Member.release` saw: bytes it let go by its holdings (on the host backend, the
+    pages its shared files held), the rise of the device's free memory, and the seconds from the start of
+    the work to the fence (``wait_s``: spent waiting for the device and the memory after the work)."""
 
     released_bytes: int
     free_rise_bytes: int
@@ -116,6 +119,24 @@ def describe(member: dict[str, Any]) -> str:
     mapped = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(member.get("mapped", {}).items()) if v)
     text = f"pid {member.get('pid')} ({member.get('role')}) holding {held or 'nothing'}"
     return text + (f", mapping another's {mapped}" if mapped else "")
+
+
+def _fence_cause(others: list[dict[str, Any]]) -> str:
+    """Why a release's memory has not come back, as far as the ledger can tell: another member maps it (it is
+    freed when that one unmaps it), or no member maps anything of another's, and what holds it is out of the
+    ledger's sight."""
+    if any(v for m in others for v in m.get("mapped", {}).values()):
+        return (
+            "; ".join(describe(m) for m in others)
+            + " (memory another process still maps is freed only when it unmaps it)"
+        )
+    members = "; ".join(describe(m) + ", mapping nothing of another's" for m in others)
+    return (
+        (members or "no other member is at the broker")
+        + "; no member maps this memory, so what keeps it is out of the ledger's sight: a descriptor of "
+        "this process's export() still open, a process that is not a member mapping it, or memory another "
+        "process took meanwhile"
+    )
 
 
 class Member:
@@ -225,10 +246,12 @@ class Member:
 
     def _seen_bytes(self) -> int:
         """What the device's free memory counts of this process's holdings: everything on a GPU; on the host
-        backend, shareable Regions (shared memory) and not private pages."""
+        backend, the pages shareable Regions' files hold (shared memory), not private pages, and not pages
+        never touched: a Region partly written, or resumed after a discard and not written since, gives back
+        only what it took, and a fence that waited for its whole size would wait for what cannot come."""
         if self.device.type == "cuda":
             return sum(self.holdings().values())
-        return sum(r.resident_bytes for _, r in self._regions() if r.shareable and not r.attached)
+        return sum(r.committed_bytes for _, r in self._regions() if r.shareable and not r.attached)
 
     def paused_bytes(self) -> int:
         """Bytes of this process's own tracked Regions that are not resident: what resuming them takes."""
@@ -280,9 +303,7 @@ class Member:
                 others = [m for m in self.status()["members"] if m["role"] != self.role]
                 raise FenceError(
                     f"release by {self.role}: the device's free memory rose {_gib(max(0, rise))} of the "
-                    f"{_gib(let_go)} let go within {limit:g} s; "
-                    + ("; ".join(describe(m) for m in others) or "no other member")
-                    + " (memory another process still maps is freed only when it unmaps it)"
+                    f"{_gib(let_go)} let go within {limit:g} s; {_fence_cause(others)}"
                 )
             time.sleep(_POLL)
         fence = Fence(

@@ -7,6 +7,7 @@ chunks are created, mapped and released under it, so addresses never move.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,12 @@ _primary_ctx: dict[int, Any] = {}
 _streams: dict[tuple[int, str], tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 _stream_handles: list[Any] = []
 
+CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_NOT_SUPPORTED = 801
+# What cuMemMap answers to a size past the end of the memory it is given: NOT_SUPPORTED (H100, driver 580;
+# measured), INVALID_VALUE by its documentation's list. Either way it maps nothing.
+_MAP_REFUSED = (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED)
 
 
 def driver() -> Any:
@@ -230,11 +236,58 @@ class CudaBackend:
         with context(self.index):
             self._map_handle(offset, size, call("cuMemCreate", size, self._prop, 0))
 
+    def file_bytes(self, fd: int) -> None:
+        """Check the exported descriptor ``fd`` before anything is mapped: open, CUDA memory, and on this
+        device. Its size cannot be read: returns None.
+
+        The driver API has no call that gives the size of an imported allocation handle:
+        ``cuMemGetAllocationPropertiesFromHandle`` gives its type, location and handle types (the location
+        is checked here), ``cuMemGetAllocationGranularity`` the device's granularity, not the handle's size,
+        and ``cuMemGetAddressRange`` finds nothing of these mappings (measured). A descriptor of smaller
+        memory is refused by ``cuMemMap`` in :meth:`map_file` instead, with an error and not a fault (see
+        ``_MAP_REFUSED``), and ``Region`` unmaps what it had mapped.
+
+        Raises:
+            OSError: ``fd`` is not an open descriptor.
+            ValueError: it is not CUDA memory exported as a POSIX descriptor, or not on this device.
+        """
+        os.fstat(fd)  # a closed descriptor is EBADF here, not a driver error
+        d = driver()
+        with context(self.index):
+            try:
+                handle = call("cuMemImportFromShareableHandle", fd, self._fd_type)
+            except CudaError as e:
+                raise ValueError(f"it is not CUDA memory exported as a POSIX descriptor ({e})") from e
+            try:
+                prop = call("cuMemGetAllocationPropertiesFromHandle", handle)
+            finally:
+                call("cuMemRelease", handle)
+        loc = prop.location
+        if loc.type != d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE or int(loc.id) != self.index:
+            raise ValueError(f"its memory is at {loc.type!r} {int(loc.id)}, not on cuda:{self.index}")
+        return None
+
     def map_file(self, offset: int, size: int, fd: int) -> None:
         """Map another process's chunk, exported as the POSIX file descriptor ``fd``, at ``offset`` (``fd``
-        may be closed after); undo on failure."""
+        may be closed after); undo on failure.
+
+        Raises:
+            ValueError: the driver refused to map ``size`` bytes of it (its memory is smaller).
+        """
         with context(self.index):
-            self._map_handle(offset, size, call("cuMemImportFromShareableHandle", fd, self._fd_type))
+            handle = call("cuMemImportFromShareableHandle", fd, self._fd_type)
+            try:
+                self._map_handle(offset, size, handle)
+            except CudaError as e:
+                if e.call != "cuMemMap" or e.code not in _MAP_REFUSED:
+                    raise
+                raise ValueError(f"the driver refused to map {size} bytes of it (less memory?): {e}") from e
+
+    def committed(self, offset: int) -> int:
+        """Bytes of device memory the chunk at ``offset`` takes: all of it (``cuMemCreate`` makes it
+        whole)."""
+        entry = self._handles.get(offset)
+        return 0 if entry is None else entry[1]
 
     def _map_handle(self, offset: int, size: int, handle: Any) -> None:
         """Map physical memory ``handle`` at ``offset`` with read-write access; on failure unmap it and

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from typing import Any
 
 import torch
@@ -58,6 +59,11 @@ class HostBackend:
         size = self._mapped.pop(offset)
         assert self._map is not None
         self._map.madvise(mmap.MADV_DONTNEED, offset, size)
+
+    def committed(self, offset: int) -> int:
+        """Bytes of memory the chunk mapped at ``offset`` takes: all of it. Private pages are not counted
+        page by page; nothing measures them (the fences count shared memory, see ``SharedHostBackend``)."""
+        return self._mapped.get(offset, 0)
 
     def mem_info(self) -> tuple[int, int]:
         avail = available_host_bytes() or 0
@@ -148,6 +154,9 @@ class SharedHostBackend(HostBackend):
     def __init__(self) -> None:
         super().__init__()
         self._files: dict[int, int | None] = {}  # offset -> this process's memfd (None: a peer's mapping)
+        # A non-blocking pause closes files on its worker while committed() may read them: a descriptor
+        # closed under fstat could be reused by another file in between.
+        self._files_lock = threading.Lock()
 
     def open(self, nbytes: int) -> None:
         self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -165,9 +174,26 @@ class SharedHostBackend(HostBackend):
         self._files[offset] = fd
         self._mapped[offset] = size
 
+    def file_bytes(self, fd: int) -> int:
+        """Bytes of the file ``fd``, to check against a chunk before mapping it: a file shorter than the
+        mapping leaves addresses past its end whose first touch kills the process with SIGBUS.
+
+        Raises:
+            OSError: ``fd`` is not an open descriptor.
+        """
+        return os.fstat(fd).st_size
+
     def map_file(self, offset: int, size: int, fd: int) -> None:
         """Map ``size`` bytes of the file ``fd`` (another process's chunk) at ``offset``; ``fd`` may be
-        closed after."""
+        closed after.
+
+        Raises:
+            ValueError: the file is not ``size`` bytes (``Region`` checks every descriptor before mapping
+                any; this guards the one call).
+        """
+        got = self.file_bytes(fd)
+        if got != size:
+            raise ValueError(f"the chunk at offset {offset} is {size} bytes, but its file has {got} bytes")
         _mmap_at(self.ptr + offset, size, mmap.MAP_SHARED, fd)
         self._files[offset] = None
         self._mapped[offset] = size
@@ -179,9 +205,22 @@ class SharedHostBackend(HostBackend):
             raise ValueError(f"the chunk at offset {offset} is not this process's to export")
         return os.dup(fd)
 
+    def committed(self, offset: int) -> int:
+        """Bytes of memory the chunk at ``offset`` takes: the pages its file holds (``st_blocks``, in units
+        of 512 bytes). A memfd gets a page on its first touch, written or read, so a chunk never touched
+        takes nothing though it is mapped, and shared memory (``Shmem``) rises only by what this counts.
+        Pages swapped out count here and not in ``Shmem``. A peer's mapping (another process's file, not
+        held here) counts whole: this process cannot see its pages."""
+        with self._files_lock:
+            fd = self._files.get(offset)
+            if fd is None:
+                return self._mapped.get(offset, 0)
+            return os.fstat(fd).st_blocks * 512
+
     def unmap(self, offset: int) -> None:
         size = self._mapped.pop(offset)
         _mmap_at(self.ptr + offset, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
-        fd = self._files.pop(offset, None)
-        if fd is not None:
-            os.close(fd)
+        with self._files_lock:
+            fd = self._files.pop(offset, None)
+            if fd is not None:
+                os.close(fd)

@@ -325,6 +325,21 @@ class Region:
         return sum(size for (_, size), st in zip(self._chunks, self._state, strict=True) if st == _MAPPED)
 
     @property
+    def committed_bytes(self) -> int:
+        """Bytes of memory the mapped chunks take now: what pausing gives back to the device. On a GPU, and
+        on the plain host backend, :attr:`resident_bytes`; on a shareable host Region, the pages its own
+        files hold, which a chunk gets page by page as it is first touched: a chunk mapped but never
+        touched (a Region partly written, or resumed after ``pause(keep=False)``) takes none, so shared
+        memory will not fall by it. The fences of :mod:`rlmem.colocate` wait for the device to get this
+        back, not :attr:`resident_bytes`."""
+        backend = self._backend
+        return sum(
+            backend.committed(off)  # type: ignore[attr-defined]
+            for (off, _), st in zip(self._chunks, self._state, strict=True)
+            if st == _MAPPED
+        )
+
+    @property
     def backup_bytes(self) -> int:
         """Bytes of host backup held (kept across cycles so later pauses pin nothing)."""
         b = self._backup
@@ -818,7 +833,9 @@ class Region:
         tensors over it come from :meth:`view`. The descriptors may be closed once it returns.
 
         Raises:
-            ValueError: ``fds`` do not match the layout's chunks, or this device's chunking differs.
+            ValueError: ``fds`` do not match the layout's chunks (not one per chunk, or one whose memory is
+                not its chunk's size: the message names the chunk), or this device's chunking differs. Every
+                descriptor is checked before any is mapped; nothing is left mapped.
             OutOfMemoryError / CudaError: the memory cannot be mapped; nothing is left mapped.
         """
         if not isinstance(layout, SharedLayout):
@@ -834,7 +851,8 @@ class Region:
 
         Raises:
             RuntimeError: this Region is not an attached one, or is not paused.
-            ValueError: the layout is another Region's.
+            ValueError: the layout is another Region's, or ``fds`` do not match it (as for :meth:`attach`);
+                nothing is mapped and the Region stays paused, ready for a ``reattach`` with the right ones.
         """
         with self._lock:
             self._check_open()
@@ -849,24 +867,59 @@ class Region:
             self._resumes += 1
 
     def _map_files(self, layout: SharedLayout, fds: list[int]) -> None:
-        """Map each chunk's file at its offset; on failure unmap what this call mapped and raise."""
+        """Map each chunk's file at its offset, once every descriptor has been checked against its chunk;
+        on failure unmap what this call mapped and raise (states untouched)."""
         if tuple(self._chunks) != tuple(layout.chunks) or self._nbytes != layout.nbytes:
             raise ValueError(
                 f"layout of region {layout.name!r} ({layout.nbytes} bytes in {len(layout.chunks)} chunks) "
                 f"does not match this one's ({self._nbytes} bytes in {len(self._chunks)} chunks)"
             )
-        if len(fds) != len(self._chunks):
-            raise ValueError(f"fds: {len(fds)} descriptors for {len(self._chunks)} chunks")
+        self._check_files(fds)
         done: list[int] = []
         try:
             for i, ((off, size), fd) in enumerate(zip(self._chunks, fds, strict=True)):
-                self._backend.map_file(off, size, fd)  # type: ignore[attr-defined]
+                try:
+                    self._backend.map_file(off, size, fd)  # type: ignore[attr-defined]
+                except ValueError as e:
+                    raise ValueError(self._file_mismatch(i, str(e))) from e
                 done.append(i)
         except BaseException:
             for i in done:
                 self._backend.unmap(self._chunks[i][0])
             raise
         self._state = [_MAPPED] * len(self._chunks)
+
+    def _check_files(self, fds: list[int]) -> None:
+        """Check every descriptor against its chunk before any is mapped: one per chunk, open, and holding
+        the chunk's size where the backend can read it (a host file shorter than its chunk would be mapped
+        past its end, where the first touch kills the process with SIGBUS).
+
+        Raises:
+            ValueError: naming the first chunk (index, offset) whose descriptor does not fit, with the bytes
+                expected and found.
+        """
+        if len(fds) != len(self._chunks):
+            raise ValueError(
+                f"fds: {len(fds)} descriptors for the {len(self._chunks)} chunks of region {self.name!r}; "
+                "one per chunk, in the layout's order"
+            )
+        for i, ((_, size), fd) in enumerate(zip(self._chunks, fds, strict=True)):
+            if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+                raise ValueError(self._file_mismatch(i, f"fds[{i}] must be a file descriptor, got {fd!r}"))
+            try:
+                got = self._backend.file_bytes(fd)  # type: ignore[attr-defined]
+            except (OSError, ValueError) as e:
+                raise ValueError(self._file_mismatch(i, f"fds[{i}] cannot be mapped: {e}")) from e
+            if got is not None and got != size:
+                raise ValueError(self._file_mismatch(i, f"its descriptor fds[{i}] holds {got} bytes"))
+
+    def _file_mismatch(self, index: int, why: str) -> str:
+        """The one message form of a descriptor that does not fit its chunk."""
+        off, size = self._chunks[index]
+        return (
+            f"fds do not match the layout of region {self.name!r}: chunk {index} at offset {off} expects "
+            f"{size} bytes, but {why}; nothing is left mapped (are these another Region's descriptors?)"
+        )
 
     def view(self, offset: int, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` at byte ``offset`` of the Region (the owner's tensors are at
