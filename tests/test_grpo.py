@@ -79,7 +79,7 @@ def test_config_errors_name_the_key(tmp_path):
         GRPOConfig(min_digits=0)
     with pytest.raises(ValueError, match="cuda_graphs must be 'auto', 'on' or 'off'"):
         GRPOConfig(cuda_graphs="yes")
-    with pytest.raises(ValueError, match="rollout_dtype must be None, 'bf16' or 'fp16'"):
+    with pytest.raises(ValueError, match=r"rollout_dtype must be 'auto', 'none' \(or null\), 'bf16'"):
         GRPOConfig(rollout_dtype="int8")
     with pytest.raises(ValueError, match="comms must be 'keep' or 'suspend'"):
         GRPOConfig(comms="destroy")
@@ -117,6 +117,19 @@ def test_offload_on_and_off_give_identical_losses_and_rewards(tmp_path):
     assert kl[-1] > 0  # the reference model scored the batch and the policy moved away from it
     # The reference model stays offloaded through the rollout (its host region holds nothing resident).
     assert on["phases"]["rollout"]["max_reference"] == 0 < off["phases"]["rollout"]["max_reference"]
+
+
+def test_rollout_dtype_defaults_to_the_autocast_dtype_on_a_gpu():
+    from rlmem.recipes.runtime import rollout_dtype
+
+    assert GRPOConfig().rollout_dtype == "auto"
+    assert rollout_dtype("auto", torch.bfloat16, True) is torch.bfloat16  # bf16-mixed on a GPU
+    assert rollout_dtype("auto", torch.float16, True) is torch.float16  # fp16-mixed
+    assert rollout_dtype("auto", None, True) is None  # bf16 and fp32 weights: nothing to copy
+    assert rollout_dtype("auto", torch.bfloat16, False) is None  # the CPU samples its weights
+    assert rollout_dtype("none", torch.bfloat16, True) is None  # today's behaviour, asked for
+    assert rollout_dtype(None, torch.bfloat16, True) is None
+    assert rollout_dtype("fp16", None, False) is torch.float16
 
 
 def test_rollout_from_a_bf16_copy_is_synced_every_step(tmp_path, monkeypatch):

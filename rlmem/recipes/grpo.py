@@ -142,7 +142,8 @@ def _train(
 
     tl = MemoryTimeline(rt.device)
     track(tl, policy)
-    say(banner(cfg, policy.n_params, rt.world, rt.device, rt.precision, policy.offload))
+    copy = f", rollout {str(rt.rollout_dtype).removeprefix('torch.')}" if rt.rollout_dtype else ""
+    say(banner(cfg, policy.n_params, rt.world, rt.device, rt.precision + copy, policy.offload))
     saved_at = start if cfg.resume is not None and start else None
     done, updating, interrupted = start, False, False
     lost: EngineLostError | None = None

@@ -22,7 +22,7 @@ from ..plan import presets
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
 from . import gguf
-from .config import ROLLOUT_DTYPES, TINY, GRPOConfig, is_fraction
+from .config import TINY, GRPOConfig, is_fraction
 from .prompts import PromptSource
 from .runtime import Runtime, offload
 from .served import SERVER_CATEGORIES, ServerRollout
@@ -101,7 +101,7 @@ class Policy:
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         materialize_optimizer_state(self.opt)
         # The rollout samples from a copy of its own (``rollout_dtype``, or the server's shared one).
-        self.own_copy = cfg.rollout_dtype is not None or cfg.engine == "server"
+        self.own_copy = rt.rollout_dtype is not None or cfg.engine == "server"
         self.pm = PhaseManager(model, self.opt)  # disabled until manage_memory()
         self.ref_state: TrainState | None = None
         self.engine: HFSampler | ServerRollout | None = None
@@ -164,8 +164,7 @@ class Policy:
         """The engine, made once; its KV cache is sized once the train state has made room."""
         if self.engine is None:
             cfg, rt = self.cfg, self.rt
-            dtype = ROLLOUT_DTYPES[cfg.rollout_dtype]
-            rollout_dtype = None if dtype is None else getattr(torch, dtype)
+            rollout_dtype = rt.rollout_dtype
             kv_dtype = rt.amp_dtype or rollout_dtype or rt.param_dtype
             n_seqs = cfg.prompts_per_step // rt.world * cfg.group_size
             batch = _kv_batch(cfg, self.model, n_seqs, self.prompts.max_len, kv_dtype)

@@ -13,17 +13,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import GRPOConfig
+from .config import ROLLOUT_DTYPES, GRPOConfig
 
-__all__ = ["Runtime", "StopRequest", "setup"]
+__all__ = ["Runtime", "StopRequest", "rollout_dtype", "setup"]
 
 
 @dataclass
 class Runtime:
     """The run's device, rank and world size, precision, and the loss scaler of fp16 (None otherwise).
 
-    ``ctl`` is a Gloo group for the rollout's own reductions while the NCCL groups are suspended (None
-    unless ``comms='suspend'``)."""
+    ``rollout_dtype`` is the config's, resolved: ``"auto"`` is the autocast dtype on a GPU (every inference
+    engine samples from weights in it; under autocast the matrix products see them in it anyway), no copy
+    otherwise. ``ctl`` is a Gloo group for the rollout's own reductions while the NCCL groups are suspended
+    (None unless ``comms='suspend'``)."""
 
     device: torch.device
     rank: int
@@ -32,6 +34,7 @@ class Runtime:
     param_dtype: torch.dtype
     amp_dtype: torch.dtype | None
     scaler: torch.amp.GradScaler | None
+    rollout_dtype: torch.dtype | None = None  # the rollout copy's (``rollout_dtype``), None: no copy
     ctl: Any = None
 
     @property
@@ -68,6 +71,7 @@ def setup(cfg: GRPOConfig) -> Runtime:
     device, rank, world = _setup_device(cfg)
     on_cuda = device.type == "cuda"
     precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if on_cuda else "fp32")
+    amp_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
     # fp16's narrow range needs dynamic loss scaling; a step whose gradients overflow is skipped.
     rt = Runtime(
         device=device,
@@ -75,8 +79,9 @@ def setup(cfg: GRPOConfig) -> Runtime:
         world=world,
         precision=precision,
         param_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
-        amp_dtype={"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision),
+        amp_dtype=amp_dtype,
         scaler=torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None,
+        rollout_dtype=rollout_dtype(cfg.rollout_dtype, amp_dtype, on_cuda),
     )
     if cfg.engine == "server" and world > 1:
         raise ValueError(
@@ -87,6 +92,17 @@ def setup(cfg: GRPOConfig) -> Runtime:
         _check_suspend(rt, offload(cfg, rt))
         rt.ctl = dist.new_group(backend="gloo")
     return rt
+
+
+def rollout_dtype(value: str | None, amp_dtype: torch.dtype | None, on_cuda: bool) -> torch.dtype | None:
+    """The rollout copy's dtype for the config's ``rollout_dtype``: ``"auto"`` is the autocast dtype on a
+    GPU (the 2.7B example under autocast kept 4.5 GiB of bf16 weight casts in its graphs' pool through the
+    train phase, against 0.2 GiB with a bf16 copy, and its fp32 weights on the device during rollout), and
+    no copy elsewhere; ``"none"`` / None: no copy."""
+    if value == "auto":
+        return amp_dtype if on_cuda else None
+    name = ROLLOUT_DTYPES[value]
+    return None if name is None else getattr(torch, name)
 
 
 def offload(cfg: GRPOConfig, rt: Runtime) -> bool:
