@@ -2,7 +2,8 @@
 acquires, the ledger never over its capacity, the trainer's state bit-identical and the rollout process
 reading each sync's weights; an acquire that waits and then fails naming the peer with nothing lost; a
 release whose memory another process still maps; a release of memory partly touched, at once, and one held
-out of the ledger's sight, named as such; a peer of another user refused; either side killed
+out of the ledger's sight, named as such; a release with nothing let go, at once whatever other processes
+take meanwhile; a peer of another user refused; either side killed
 mid-switch while the other keeps its data and goes on. Every wait is bounded; children are killed at the
 end whatever happens."""
 
@@ -284,6 +285,58 @@ def test_a_release_held_outside_the_ledger_says_so(broker_path):
         fence = me.release(timeout=10)  # measured from the same mark: the memory is back now
         assert fence.released_bytes == region.nbytes and fence.free_rise_bytes >= fence.released_bytes // 2
         me.close()
+
+
+TAKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    fd = os.memfd_create("another-process")
+    os.write(fd, b"x" * int(sys.argv[1]))
+    print(json.dumps({"taken": int(sys.argv[1])}), flush=True)
+    time.sleep(600)  # kept until killed
+    """
+)
+
+
+def test_a_release_waits_for_no_other_process(broker_path, children):
+    # The host backend's free memory is the machine's shared memory, which any process may take while a
+    # release runs (another run's shared weights). A release whose own memory is all back (nothing let go, as
+    # the rollout server's sleep with a private KV cache; or more taken than let go, as the trainer mapping
+    # its rollout copy again) must not wait for that memory: it waited out its time-out, and the server's
+    # sleep failed with "rose 0.00 GiB of the 0.00 GiB let go within 60 s".
+    def another_process_takes(nbytes: int) -> None:
+        assert _line(children.start([sys.executable, "-c", TAKER, str(nbytes)])) == {"taken": nbytes}
+
+    with Broker(broker_path):
+        me = Member("train", path=broker_path, device="cpu", timeout=30)
+        private = Region(8 * MiB, "cpu", name="kv")  # private pages: not the device's shared memory
+        private.empty(private.nbytes // 4, torch.float32).fill_(1.0)
+        copy = Region(8 * MiB, "cpu", shareable=True, name="rollout_weights", paused=True)
+        me.track("kv_cache", private)
+        me.track("rollout_weights", copy)
+        me.acquire(0, timeout=10)
+
+        def nothing_let_go() -> None:
+            private.pause(keep=False)
+            another_process_takes(16 * MiB)
+
+        def more_taken_than_let_go() -> None:
+            copy.resume()
+            copy.empty(copy.nbytes // 4, torch.float32).fill_(2.0)
+            another_process_takes(16 * MiB)
+
+        for work in (nothing_let_go, more_taken_than_let_go):
+            t0 = time.monotonic()
+            fence = me.release(work, timeout=10)
+            assert time.monotonic() - t0 < 5, work.__name__  # not the 10 s time-out
+            assert fence.released_bytes == 0, work.__name__
+            me.acquire(0, timeout=10)
+        # What it does let go is still waited for (here it comes back at once).
+        fence = me.release(lambda: copy.pause(keep=False), timeout=10)
+        assert fence.released_bytes == copy.nbytes and fence.free_rise_bytes > 0
+        me.close()
+        private.close()
+        copy.close()
 
 
 def test_a_peer_of_another_user_is_refused(broker_path):

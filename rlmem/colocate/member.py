@@ -184,7 +184,7 @@ class Member:
         self._lost: Exception | None = None
         self.lost_peers: list[dict[str, Any]] = []
         self._on_lost: list[Callable[[dict[str, Any]], None]] = []
-        self._baseline: tuple[int, int] | None = None
+        self._baseline: tuple[int, dict[Any, int]] | None = None
         self._sock = wire.connect(self.path, timeout=self.timeout)
         try:
             self.broker_pid, _ = wire.check_peer(self._sock)
@@ -244,14 +244,15 @@ class Member:
                 out[r.name] = out.get(r.name, 0) + r.resident_bytes
         return out
 
-    def _seen_bytes(self) -> int:
-        """What the device's free memory counts of this process's holdings: everything on a GPU; on the host
-        backend, the pages shareable Regions' files hold (shared memory), not private pages, and not pages
-        never touched: a Region partly written, or resumed after a discard and not written since, gives back
-        only what it took, and a fence that waited for its whole size would wait for what cannot come."""
+    def _seen(self) -> dict[Any, int]:
+        """What the device's free memory counts of this process's holdings, by holder: every category on a
+        GPU (PyTorch's cache among them); on the host backend, each shareable Region's pages its files hold
+        (shared memory), not private pages, and not pages never touched: a Region partly written, or resumed
+        after a discard and not written since, gives back only what it took, and a fence that waited for its
+        whole size would wait for what cannot come."""
         if self.device.type == "cuda":
-            return sum(self.holdings().values())
-        return sum(r.committed_bytes for _, r in self._regions() if r.shareable and not r.attached)
+            return self.holdings()
+        return {(c, id(r)): r.committed_bytes for c, r in self._regions() if r.shareable and not r.attached}
 
     def paused_bytes(self) -> int:
         """Bytes of this process's own tracked Regions that are not resident: what resuming them takes."""
@@ -271,13 +272,16 @@ class Member:
     def mark(self) -> None:
         """Take the baseline the next :meth:`release` measures from (the device's free bytes and what this
         process holds), for a release whose work was done piecemeal before it (``PhaseManager``'s order)."""
-        self._baseline = (mem_info(self.device)[0], self._seen_bytes())
+        self._baseline = (mem_info(self.device)[0], self._seen())
 
     def release(self, work: Callable[[], Any] | None = None, *, timeout: float | None = None) -> Fence:
         """Run ``work`` (what gives memory back), then fence: the device's queued work finished, and the free
         memory seen to rise by what this process stopped holding; then give the device up at the broker.
 
-        Measured from the last :meth:`mark` if there was one since the last release, else from this call.
+        Measured from the last :meth:`mark` if there was one since the last release, else from this call. A
+        release that let nothing go (beyond the slack of :func:`fence_bytes`; what it took meanwhile, e.g. a
+        rollout copy mapped again, is not let go) does not wait: the free memory is every process's, and
+        what others took meanwhile is not this release's to wait for.
 
         Raises:
             FenceError: the memory did not come back within ``timeout`` (the message names what the other
@@ -288,17 +292,22 @@ class Member:
         t0 = time.perf_counter()
         if self._baseline is None:
             self.mark()
-        free0, held0 = self._baseline or (0, 0)
+        free0, held0 = self._baseline or (0, {})
         if work is not None:
             work()
         t1 = time.perf_counter()
         synchronize(self.device)
-        # Negative if it took more than it gave back since the mark (a rollout copy mapped again).
-        delta = held0 - self._seen_bytes()
-        let_go = max(0, delta)
-        want = fence_bytes(delta)
+        held1 = self._seen()
+        gave = sum(max(0, n - held1.get(k, 0)) for k, n in held0.items())
+        took = sum(max(0, n - held0.get(k, 0)) for k, n in held1.items())  # e.g. a rollout copy mapped again
+        let_go = max(0, gave - took)
+        # The free memory is every process's (on the host backend, the machine's shared memory): with nothing
+        # of this process's to come back, a wait could only wait for others to give back what they took
+        # meanwhile, and time out while they keep it.
+        want = fence_bytes(gave - took) if fence_bytes(gave) > 0 else None
         deadline = time.monotonic() + limit
-        while (rise := mem_info(self.device)[0] - free0) < want:
+        rise = mem_info(self.device)[0] - free0
+        while want is not None and rise < want:
             if time.monotonic() > deadline:
                 others = [m for m in self.status()["members"] if m["role"] != self.role]
                 raise FenceError(
@@ -306,6 +315,7 @@ class Member:
                     f"{_gib(let_go)} let go within {limit:g} s; {_fence_cause(others)}"
                 )
             time.sleep(_POLL)
+            rise = mem_info(self.device)[0] - free0
         fence = Fence(
             released_bytes=let_go,
             free_rise_bytes=max(0, rise),
