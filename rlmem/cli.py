@@ -21,6 +21,7 @@ _BENCHES = (
     "numa",
     "real_model",
     "colocate",
+    "families",
 )
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|serve|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|serve|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -62,6 +62,13 @@ if [[ $what == bench-server ]]; then
   [[ -f bench/results/grpo_server-$name.json ]] && cp "bench/results/grpo_server-$name.json" "$OUT/"
   python3 -m rlmem bench grpo_colocated --engine server --machine "$name" --json "$OUT/grpo_server-$name.json" "$@" \
     2>&1 | tee "$OUT/bench_grpo_server.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == families ]]; then
+  # rlmem train on every family x precision x rollout dtype, and engine=server on each family's default cell
+  # (args go to rlmem bench families, e.g. --families qwen3 --jobs 8)
+  python3 -m rlmem bench families --machine "$name" --json "$OUT/families-$name.json" "$@" \
+    2>&1 | tee "$OUT/bench_families.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == all || $what == bench || $what == bench-region ]]; then

@@ -1,0 +1,97 @@
+"""What ``rlmem train model=DIR data=FILE`` needs, made here without any download: a byte-level BPE
+tokenizer with a chat template trained in memory, a JSONL of arithmetic questions, and tiny model
+directories of the families users train, each saved with ``save_pretrained`` beside the tokenizer.
+
+Used by ``rlmem bench families`` and ``scripts/tiny_assets.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAMILIES", "model_dir", "questions", "tokenizer_and_data"]
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_DECODER = dict(num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+# family -> (config class, model class, the config's sizes): two layers, four query heads over two KV heads
+# where the family groups them, the rest of each config its defaults (Gemma2's sliding window and soft
+# caps, Qwen3's query/key norms, Phi-3's fused projections, GPT-2's tied embeddings and learned positions).
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
+              num_key_value_heads=2)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
+              num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
+              num_key_value_heads=2, head_dim=16)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
+                num_key_value_heads=2)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
+               num_key_value_heads=2, head_dim=16)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
+             num_key_value_heads=2)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    "gptneox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128)),
+}  # fmt: skip
+
+
+def questions(n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` sums of two numbers below 100, with the answer in ``\\boxed{}`` (the ``math`` reward)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        out.append({"prompt": f"What is {a}+{b}? Put the answer in \\boxed{{}}.", "answer": str(a + b)})
+    return out
+
+
+def tokenizer_and_data(d: str | Path, rows: int = 512) -> tuple[Path, Path]:
+    """A BPE tokenizer trained on the questions (``d/tokenizer``) and the questions (``d/arith.jsonl``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    data = questions(rows, 0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=special, show_progress=False)
+    tok.train_from_iterator([f"{r['prompt']} \\boxed{{{r['answer']}}}" for r in data], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(str(d / "tokenizer"))
+    (d / "arith.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    return d / "tokenizer", d / "arith.jsonl"
+
+
+def model_dir(family: str, d: str | Path, tokenizer: str | Path, seed: int = 0) -> Path:
+    """A randomly initialised ``family`` model saved with ``save_pretrained`` in ``d``, the tokenizer beside
+    it (its vocabulary size, and its pad and EOS ids in the config).
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    import torch
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    cfg_cls, model_cls, sizes = FAMILIES[family]
+    tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
+    ids = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = getattr(transformers, cfg_cls)(vocab_size=len(tok), **ids, **sizes)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    transformers.utils.logging.disable_progress_bar()  # one shard of a tiny model: no bar on stderr
+    d = Path(d)
+    model.save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    return d

@@ -1,0 +1,190 @@
+"""``rlmem train`` on every model family users train, at every precision the recipe offers: a matrix of
+two-step runs that keeps breaks like Qwen3's under autocast (its first rollout failed at bf16-mixed, the GPU
+default) from reaching users.
+
+Each cell is ``rlmem train model=DIR data=FILE reward=math steps=2 ...`` in a process of its own, on a tiny
+random model of the family saved with ``save_pretrained`` and a tokenizer trained here (:mod:`.assets`):
+a family x ``precision`` x ``rollout_dtype`` (``none``: the rollout runs the training weights; ``bf16``: a
+copy), then ``engine=server`` on each family's default cell, whose rewards and losses must equal the
+in-process engine's bit for bit. A cell passes when its run exits 0 with every step's loss finite. Off a
+GPU the matrix is the fp32 cells (CI runs them).
+
+Summary: ``cells``, ``passed``, ``failed`` (the names of the cells that did not pass), ``all_passed``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ._common import format_table, package_version
+from ._harness import Run
+from .assets import FAMILIES, model_dir, tokenizer_and_data
+
+NAME = "families"
+TARGETS = {"all_passed": ("==", True)}
+_TRAIN = ["reward=math", "steps=2", "prompts_per_step=4", "group_size=2", "max_new_tokens=8", "save_every=0"]
+_TRAIN += ["progress=false", "plot=false", "max_prompt_len=64"]
+
+
+def cell_name(c: dict[str, Any]) -> str:
+    return f"{c['family']}/{c['precision']}/{c['rollout_dtype']}/{c['engine']}"
+
+
+def run_cell(cell: dict[str, Any], assets: Path, device: str, steps: int) -> dict[str, Any]:
+    """One ``rlmem train`` run in a process of its own; the cell with what it gave."""
+    out = assets / "runs" / cell_name(cell).replace("/", "-")
+    argv = [sys.executable, "-m", "rlmem", "train", f"model={assets / cell['family']}"]
+    data = assets / "arith.jsonl" if cell.get("data", "file") == "file" else "arithmetic"
+    argv += [f"data={data}", f"device={device}", f"precision={cell['precision']}"]
+    argv += [f"rollout_dtype={cell['rollout_dtype']}", f"engine={cell['engine']}", f"out_dir={out}"]
+    argv += [a for a in _TRAIN if not a.startswith("steps=")] + [f"steps={steps}"]
+    # cuBLAS reduces deterministically only with a fixed workspace: the server cell is compared bit for bit
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    res = {**cell, "exit_code": proc.returncode, "seconds": round(time.perf_counter() - t0, 1)}
+    summary = out / "summary.json"
+    if proc.returncode == 0 and summary.is_file():
+        s = json.loads(summary.read_text())
+        res.update(losses=s["losses"], rewards=s["rewards"], steps=s["steps"])
+    ok = res.get("steps") == steps and all(math.isfinite(x) for x in res.get("losses", [math.nan]))
+    res["passed"] = proc.returncode == 0 and ok
+    if not res["passed"]:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        res["error"] = "\n".join(lines[-12:])
+    print(f"{cell_name(cell)}: {'ok' if res['passed'] else 'FAIL'} in {res['seconds']} s", flush=True)
+    return res
+
+
+def matrix(
+    families: list[str],
+    precisions: list[str],
+    rollouts: list[str],
+    server: list[str],
+    default: tuple[str, str],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The local cells, and the server cells (each family's ``default`` precision and rollout dtype)."""
+    local = [
+        dict(family=f, precision=p, rollout_dtype=r, engine="local")
+        for f in families
+        for p in precisions
+        for r in rollouts
+    ]
+    for f in server:  # the local twin of each server cell, if the matrix lacks it
+        twin = dict(family=f, precision=default[0], rollout_dtype=default[1], engine="local")
+        if twin not in local:
+            local.append(twin)
+    served = [dict(family=f, precision=default[0], rollout_dtype=default[1], engine="server") for f in server]
+    return local, served
+
+
+def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    failed = [cell_name(c) for c in cells if not c["passed"]]
+    return {
+        "cells": len(cells),
+        "passed": len(cells) - len(failed),
+        "failed": failed,
+        "all_passed": not failed,
+    }
+
+
+def _same_as_local(served: dict[str, Any], local: list[dict[str, Any]]) -> bool:
+    """Whether a server cell's rewards and losses equal its local twin's, bit for bit."""
+    key = {k: served[k] for k in ("family", "precision", "rollout_dtype")}
+    twin = next(c for c in local if {k: c[k] for k in key} == key)
+    return bool(twin["passed"]) and (twin["losses"], twin["rewards"]) == (served["losses"], served["rewards"])
+
+
+def _table(cells: list[dict[str, Any]]) -> str:
+    """A row per family, a column per precision / rollout dtype / engine."""
+    status = {(c["family"], cell_name(c).split("/", 1)[1]): "ok" if c["passed"] else "FAIL" for c in cells}
+    cols = sorted({col for _, col in status})
+    families = dict.fromkeys(f for f, _ in status)
+    rows = [{"family": f, **{col: status.get((f, col), "-") for col in cols}} for f in families]
+    return format_table(rows, [("family", "family", "s")] + [(col, col, "s") for col in cols])
+
+
+def _split(value: str, allowed: list[str] | tuple[str, ...], what: str, run_: Run) -> list[str]:
+    got = [x for x in value.split(",") if x]
+    bad = [x for x in got if x not in allowed]
+    if bad:
+        run_.error(f"{what}: {bad[0]!r} is not one of {', '.join(allowed)}")
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
+    p = run_.parser
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: all)")
+    p.add_argument("--precisions", default=None, help="default: bf16-mixed,fp16-mixed,bf16 (GPU), fp32 (CPU)")
+    p.add_argument("--rollouts", default=None, help="rollout_dtype values (default: none,bf16 GPU, none CPU)")
+    p.add_argument("--server", default=None, help="families run with engine=server too (default: all; none)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=None, help="local cells at once (default: 6 GPU, 2 CPU)")
+    p.add_argument("--keep", default=None, help="make the models and runs here and keep them")
+    p.add_argument(
+        "--data",
+        default="file",
+        choices=("file", "arithmetic"),
+        help="the questions as a JSONL file (read through the datasets package) or the built-in task",
+    )
+    args = run_.parse(argv)
+    gpu = run_.device.type == "cuda"
+    families = _split(args.families, list(FAMILIES), "--families", run_)
+    precs = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+    precisions = _split(
+        args.precisions or ("bf16-mixed,fp16-mixed,bf16" if gpu else "fp32"), precs, "--precisions", run_
+    )
+    rollouts = _split(
+        args.rollouts or ("none,bf16" if gpu else "none"), ("none", "bf16", "fp16"), "--rollouts", run_
+    )
+    server = (
+        [] if args.server == "none" else _split(args.server or ",".join(families), families, "--server", run_)
+    )
+    # Each family's default cell, resolved: bf16-mixed and its bf16 copy on a GPU, fp32 on a CPU.
+    default = ("bf16-mixed", "bf16") if gpu else ("fp32", "none")
+    local, served = matrix(families, precisions, rollouts, server, default)
+    for c in (*local, *served):
+        c["data"] = args.data
+    jobs = args.jobs or (6 if gpu else 2)
+    device = run_.device.type  # rlmem train takes cpu or cuda (the rank picks the GPU)
+    with tempfile.TemporaryDirectory() as tmp:
+        assets = Path(args.keep or tmp)
+        tok, _ = tokenizer_and_data(assets)
+        for f in families:
+            model_dir(f, assets / f, tok)
+        # Local cells side by side; the server cells one at a time, since a fenced handoff reads the
+        # device's free memory, which other processes on it would move.
+        with ThreadPoolExecutor(jobs) as pool:
+            done = list(pool.map(lambda c: run_cell(c, assets, device, args.steps), local))
+        for c in served:
+            r = run_cell(c, assets, device, args.steps)
+            r["same_as_local"] = r["passed"] and _same_as_local(r, done)
+            r["passed"] = r["same_as_local"]
+            done.append(r)
+    for c in done:
+        if not c["passed"]:
+            print(
+                f"FAILED {cell_name(c)} (exit {c['exit_code']}):\n{c.get('error', 'not bit-identical')}\n",
+                file=sys.stderr,
+            )
+    print(_table(done))
+    summary = summarize(done)
+    config = dict(families=families, precisions=precisions, rollouts=rollouts, server=server)
+    config.update(steps=args.steps, default_cell=list(default), train_args=_TRAIN, data=args.data)
+    config["transformers"] = package_version("transformers")  # the families' code is transformers
+    run_.finish(summary, config=config, results={"cells": done})
+    return 0 if summary["all_passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

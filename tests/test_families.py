@@ -1,0 +1,56 @@
+"""``rlmem bench families`` off a GPU: ``rlmem train`` on a tiny random model of each family users train
+(Llama, Qwen2, Qwen3, Mistral, Gemma2, Phi-3, GPT-2, GPT-NeoX), saved with ``save_pretrained`` beside a
+tokenizer trained here, in fp32 for two steps each, and Qwen3 through ``rlmem serve`` equal to the
+in-process engine bit for bit. On the H100 the same benchmark runs every precision (``scripts/gpu_check.sh
+families``)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+
+from rlmem.benchmarks import families
+
+
+def test_every_family_trains_in_fp32_and_through_the_server(tmp_path):
+    out = tmp_path / "families.json"
+    code = families.main(["--device", "cpu", "--server", "qwen3", "--jobs", "2", "--json", str(out)])
+    data = json.loads(out.read_text())
+    cells = data["results"]["cells"]
+    assert data["summary"]["failed"] == [] and code == 0
+    assert data["summary"]["cells"] == data["summary"]["passed"] == len(families.FAMILIES) + 1 == len(cells)
+    assert {c["family"] for c in cells} == set(families.FAMILIES)
+    for c in cells:
+        assert c["precision"] == "fp32" and c["exit_code"] == 0, c
+        assert len(c["losses"]) == 2 and all(math.isfinite(x) for x in c["losses"]), c
+    served = [c for c in cells if c["engine"] == "server"]
+    assert [c["family"] for c in served] == ["qwen3"] and served[0]["same_as_local"]
+
+
+def test_the_matrix_and_bad_arguments(capsys):
+    local, served = families.matrix(
+        ["qwen3", "gpt2"], ["bf16-mixed"], ["none", "bf16"], ["qwen3"], ("bf16-mixed", "bf16")
+    )
+    assert [families.cell_name(c) for c in local] == [
+        "qwen3/bf16-mixed/none/local",
+        "qwen3/bf16-mixed/bf16/local",
+        "gpt2/bf16-mixed/none/local",
+        "gpt2/bf16-mixed/bf16/local",
+    ]
+    assert [families.cell_name(c) for c in served] == ["qwen3/bf16-mixed/bf16/server"]
+    # a server cell's local twin joins the matrix where it lacks it
+    local, _ = families.matrix(["gpt2"], ["bf16"], ["none"], ["gpt2"], ("bf16-mixed", "bf16"))
+    assert families.cell_name(local[-1]) == "gpt2/bf16-mixed/bf16/local"
+    for bad, msg in (
+        ("--families=opt", "--families: 'opt' is not one of"),
+        ("--precisions=fp8", "--precisions: 'fp8' is not one of"),
+        ("--server=gpt2", "--server: 'gpt2' is not one of"),
+    ):
+        with pytest.raises(SystemExit):
+            families.main(["--device", "cpu", "--families=qwen3", bad])
+        assert msg in capsys.readouterr().err
