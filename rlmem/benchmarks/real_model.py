@@ -67,6 +67,9 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
             lr=args.lr,
             seed=args.seed,
             offload=part == "offload",
+            # The rollout samples the fp32 weights under autocast, as when the figures were first taken
+            # (rlmem train's GPU default since samples a bf16 copy).
+            rollout_dtype="none",
             out_dir=d,
             progress=False,
             plot=False,
