@@ -620,6 +620,67 @@ def test_budget_auto_measures_a_cold_step_again(monkeypatch):
     assert off.plan is not None and "measured again 1x" in str(off.plan)
 
 
+def _module_hooks(model: nn.Module, off: ActivationOffloader) -> int:
+    """Forward hooks on the model's modules other than its decoder layers (the scopes' hooks)."""
+    layers = {id(m) for _, m in off.layer_map.layers}
+    return sum(
+        len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules() if id(m) not in layers
+    )
+
+
+def test_budget_auto_hooks_only_the_modules_it_offloads(monkeypatch):
+    """A hook is a Python call at every forward, which a small model's step pays in full: the reference
+    steps run with no scope hook (so the plan is measured against a step without the offloader at all), a
+    trial with its prefix's alone, and a plan that settles empty leaves none."""
+    from rlmem.activations import _autoplan
+
+    model = make("qwen2")
+    ref = run(make("qwen2"))
+    off = rlmem.offload_activations(model, budget="auto", min_bytes=0, max_overhead=0.5)
+    full = _module_hooks(model, off)
+    # Every step with something offloaded takes twice the reference's: each prefix adds too much.
+    monkeypatch.setattr(
+        _autoplan, "_step_s", lambda m, end=None: 2.0 if off._control.mode == "trial" else 1.0
+    )
+    seen = []
+    for _ in range(60):
+        assert_same(ref, run(model, off))
+        seen.append((off._control.mode, _module_hooks(model, off)))
+        if off.settled:
+            break
+    assert seen[0] == ("profile", full) and full > 0
+    assert {n for mode, n in seen if mode in ("baseline", "reference", "idle")} == {0}
+    trials = [n for mode, n in seen if mode == "trial"]
+    assert trials and all(0 < n <= full for n in trials) and min(trials) < full
+    assert off.settled and not off.plan.chosen
+    assert_same(ref, run(model, off))  # the plan settled empty: the next step runs out of the offloader
+    assert off._control.mode == "idle" and _module_hooks(model, off) == 0
+    assert sum(len(m._forward_pre_hooks) for _, m in off.layer_map.layers) == len(off.layer_map.layers)
+    off.remove()
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
+
+
+def test_budget_auto_allows_less_for_a_small_saving():
+    """A prefix that offloads under a tenth of the activation bytes may add 2% at most, whatever the
+    max_overhead; a larger one up to max_overhead."""
+
+    def search(nbytes: int) -> _actplan.PrefixSearch:
+        c = (_actplan.Candidate("mlp_norm", 0, nbytes, 1e-3),)
+        plan = _actplan.OffloadPlan(
+            budget="auto", chosen=c, candidates=c, d2h_bytes_per_s=1e9, forward_s=1.0, step_s=2.0,
+            activation_bytes=200, allowance_s=0.0, finish_s=0.0,
+        )  # fmt: skip
+        return _actplan.PrefixSearch(plan, 1.0, 0.05, repeats=1, max_repeats=1)
+
+    small = search(10)  # 5% of the activations: 3% is too much
+    plan = small.record(1.03)
+    assert plan.settled and not plan.chosen and any("over the allowed 2.0%" in r for r in plan.reasons)
+    large = search(40)  # 20%: 3% is within max_overhead, checked in a row too
+    large.record(1.03)
+    plan = large.record(1.03)
+    assert plan.settled and len(plan.chosen) == 1
+
+
 def test_forward_scale_takes_the_forward_pass_from_the_reference_steps():
     from rlmem.activations._autoplan import forward_scale
 

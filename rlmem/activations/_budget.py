@@ -330,11 +330,16 @@ def balanced(chosen: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
     return tuple(out)
 
 
+SMALL_SHARE, SMALL_LIMIT = 0.1, 0.02  # a prefix offloading under this share of the activations: this limit
+
+
 class PrefixSearch:
     """The closed loop of ``budget="auto"``: the longest prefix of a plan's candidates (in the order of
     :func:`balanced`) whose measured step stays within ``limit`` over the unoffloaded one, by bisection.
 
-    The whole plan is measured first; while a prefix adds too much, the search halves towards the longest
+    A prefix that offloads less than :data:`SMALL_SHARE` of the step's activation bytes may add no more than
+    :data:`SMALL_LIMIT` (or ``limit``, if lower). The whole plan is measured first; while a prefix adds too
+    much, the search halves towards the longest
     one measured within the limit, and stops when the gap is under 1/16 of the plan or after ``tries``
     prefixes, keeping the longest prefix measured within the limit (none, if none was).
 
@@ -370,6 +375,13 @@ class PrefixSearch:
         self._good: list[int] = []  # prefixes measured within the limit (in pairs)
         self._full = balanced(plan.chosen)
         self._limit = limit
+        # What a prefix may add: ``limit``, and no more than SMALL_LIMIT where it offloads under SMALL_SHARE
+        # of the step's activation bytes (a small saving is not worth much of the step).
+        small = min(limit, SMALL_LIMIT)
+        total, self._limits = 0, [small if plan.activation_bytes else limit]
+        for c in self._full:
+            total += c.nbytes
+            self._limits.append(small if total < SMALL_SHARE * plan.activation_bytes else limit)
         self._tries = tries
         self._lo, self._hi = 0, len(self._full) + 1  # longest prefix measured good, shortest measured bad
         self._step = max(1, len(self._full) // 16)
@@ -408,7 +420,8 @@ class PrefixSearch:
         self._seen.append(step_s)
         ratios = self._ratios()
         n = len(ratios)
-        if n < self._repeats or (n < self._max_repeats and ratios[-1] - ratios[0] > 2 * self._limit):
+        limit = self._limits[self.k]
+        if n < self._repeats or (n < self._max_repeats and ratios[-1] - ratios[0] > 2 * limit):
             return self.plan
         over = median(ratios) - 1
         self._seen, self._refs = [], []
@@ -417,7 +430,7 @@ class PrefixSearch:
         checked = self.checking
         self.checking = False
         self._checks += checked
-        if over <= self._limit:
+        if over <= limit:
             if checked:  # the kept prefix holds in a row too
                 return self._settle(trials, reasons, checked=True)
             self._lo = self.k
@@ -428,7 +441,7 @@ class PrefixSearch:
             self._lo = max(self._good, default=0)
             how = " in a row" if checked else ""
             reasons.append(
-                f"{self.k} candidates added {over:.1%} to the step{how}, over the allowed {self._limit:.1%}"
+                f"{self.k} candidates added {over:.1%} to the step{how}, over the allowed {limit:.1%}"
             )
         searched = len(trials) - self._checks >= self._tries
         if self._hi - self._lo <= self._step or searched:

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from .modmap import LayerMap, Target
 
-__all__ = ["Active", "Host", "current", "enter", "install", "leave"]
+__all__ = ["Active", "Host", "current", "enter", "install_layers", "install_scopes", "leave"]
 
 
 class Active(Protocol):
@@ -93,27 +93,44 @@ class _ParamCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def install(off: Host) -> list[Any]:
-    """Register the hooks of ``off`` on its model; returns the handles."""
+def install_layers(off: Host) -> list[Any]:
+    """Register the hooks of ``off`` on its model's decoder layers (where each begins and ends: the step's
+    shape, the release of copies in flight, the measured marks); returns the handles. They stay for the
+    handle's life; the scopes' hooks come and go with what it offloads (:func:`install_scopes`)."""
+    hooks: list[Any] = []
+    for i, (_, layer) in enumerate(off.layer_map.layers):
+        # Outermost on the layer (it may itself be a chosen module): first in, last out.
+        hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=True, prepend=True))
+        hooks.append(layer.register_forward_hook(_layer_end(off, i), always_call=True))
+    return hooks
+
+
+def install_scopes(off: Host, selected: set[tuple[str, int]] | None = None) -> list[Any]:
+    """Register the scopes' hooks of ``off``: on the modules of the ``selected`` scopes (``(name, layer)``;
+    None: every scope of its names), the modules nested inside them, and the blocks of their layers.
+    Modules of no selected scope carry no hook at all: a hook is a Python call at every forward, which a
+    small model's step, launched as fast as the host can, pays in full (a settled budget that offloads
+    nothing cost 1-2% of such a step in hooks that did nothing). Returns the handles."""
     hooks: list[Any] = []
     lm = off.layer_map
-    wanted = set(off.names)
-    chosen = [t for n in off.names for t in lm.targets.get(n, [])]
+    chosen = [
+        t for n in off.names for t in lm.targets.get(n, []) if selected is None or (n, t.layer) in selected
+    ]
     inside: set[int] = set()
     for t in chosen:
         if t.param is None:
             inside.update(id(m) for m in t.module.modules() if m is not t.module)
+    picked = {id(t) for t in chosen}
     for name, targets in lm.targets.items():
         for t in targets:
-            if name in wanted:
+            if id(t) in picked:
                 hooks += _scope_hooks(off, t, name)
             elif id(t.module) in inside and t.param is None:
                 hooks += _scope_hooks(off, t, None)
+    layers = {t.layer for t in chosen}
     for i, (_, layer) in enumerate(lm.layers):
-        # Outermost on the layer (it may itself be a chosen module): first in, last out.
-        hooks.append(layer.register_forward_pre_hook(_layer_start(off, i), with_kwargs=True, prepend=True))
-        hooks.append(layer.register_forward_hook(_layer_end(off, i), always_call=True))
-        hooks += _quiet_hooks(off, layer, i, chosen)
+        if i in layers:
+            hooks += _quiet_hooks(off, layer, i, chosen)
     return hooks
 
 

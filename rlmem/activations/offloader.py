@@ -174,6 +174,7 @@ class ActivationOffloader:
         self._kept: list[Entry] = []  # this step's entries of those layers, in copy order
         self._kept_seen = 0  # how many of them were seen copied
         self._hooks: list[Any] = []
+        self._scope_hooks: list[Any] = []
         self._active = False
         self._scope: list[tuple[str, int] | None] = []
         self._pushed: list[bool] = []
@@ -208,7 +209,10 @@ class ActivationOffloader:
         if not enabled:
             return
         self._pool = HostPool(self.device.index if self.device.type == "cuda" else None)
-        self._hooks = _scopes.install(_HookCalls(self))
+        self._calls = _HookCalls(self)
+        self._hooks = _scopes.install_layers(self._calls)
+        self._scope_hooks = _scopes.install_scopes(self._calls)
+        self._hooked: set[tuple[str, int]] | None = None  # the selection the scopes' hooks are on (None: all)
 
     # ----------------------------------------------------------------- scopes
     def _layer_started(self, i: int) -> None:
@@ -244,6 +248,13 @@ class ActivationOffloader:
     def _select(self, selected: set[tuple[str, int]] | None) -> None:
         self._selected = selected
         self._hook_layers = self._all_layers if selected is None else {layer for _, layer in selected}
+        if self.enabled and selected != self._hooked:
+            # Only the chosen scopes' modules carry hooks (a step out of the offloader: none at all). Called
+            # between steps, or from the first layer's pre-hook, before any scope's module has run.
+            for h in self._scope_hooks:
+                h.remove()
+            self._scope_hooks = _scopes.install_scopes(self._calls, selected)
+            self._hooked = None if selected is None else set(selected)
 
     def _wants(self, scope: tuple[str, int]) -> bool:
         # A scope the plan did not choose opens no hooks of its own: its tensors take the shared path.
@@ -702,9 +713,10 @@ class ActivationOffloader:
 
     def remove(self) -> None:
         """Remove the module hooks and free the host pool; the handle becomes a no-op."""
-        for h in self._hooks:
+        for h in (*self._hooks, *self._scope_hooks):
             h.remove()
         self._hooks.clear()
+        self._scope_hooks.clear()
         if self._pool is not None:
             self._pool.free()
         self.enabled = False
@@ -737,7 +749,7 @@ def offload_activations(
     *,
     min_bytes: int = 1 << 20,
     budget: str | int | None = None,
-    max_overhead: float = 0.05,
+    max_overhead: float = 0.03,
     prefetch: bool = True,
     module_map: ModuleMap | None = None,
     enabled: bool = True,
@@ -762,7 +774,9 @@ def offload_activations(
             of the step. Each input-shape bucket (a power of two of the first layer's input size) is
             planned on its own. An integer is a byte budget for the activations left on the device
             (offloading more, hidden or not, until they fit). The choice is in ``handle.plan`` and logged.
-        max_overhead: the share of the step the budget mode may add waiting for copies.
+        max_overhead: the share of the step the budget mode may add (3% by default); a plan that offloads
+            less than a tenth of the step's activation bytes may add no more than 2% (or this, if lower).
+            A settled plan's modules alone carry hooks, and an empty one none.
         prefetch: reload the previous layer's tensors while the current one's backward runs.
         module_map: patterns for a model whose layout rlmem does not recognise.
         enabled: ``False`` returns a handle whose context does nothing.

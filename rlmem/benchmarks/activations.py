@@ -1,6 +1,7 @@
 """Benchmark of activation offloading and checkpointing: step time and peak memory of one training step
 (forward + backward) on docs/design.md's 2.47B Qwen2-shaped model, a wider one (hidden 4096), a small MoE and
-a small GQA model (12 query heads over 2 KV heads).
+a small GQA model (12 query heads over 2 KV heads), and small models of other families: a Mixtral-shaped MoE,
+GPT-2 medium's shape (tied embeddings) and Llama 3.2 1B's (GQA).
 
 A step is the decoder body over ``bs x seq`` tokens plus the LM head on the last 256 tokens (so the
 vocabulary does not dominate), bf16 weights, gradients set to None before each step: the peak is over the
@@ -98,8 +99,51 @@ MODELS: dict[str, dict[str, Any]] = {
             "num_key_value_heads": 2,
         },
     },
+    # Other families, where a budget that offloads little must cost about nothing: a Mixtral-shaped MoE,
+    # GPT-2 medium's shape (tied embeddings, learned positions, Conv1D projections), Llama 3.2 1B's shape.
+    "mixtral-small": {
+        "kind": "mixtral",
+        "cfg": {
+            "hidden_size": 1024,
+            "num_hidden_layers": 12,
+            "intermediate_size": 1408,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "vocab_size": 32000,
+            "max_position_embeddings": 8192,
+        },
+    },
+    "gpt2-tied": {
+        "kind": "gpt2",
+        "cfg": {"n_embd": 1024, "n_layer": 24, "n_head": 16, "vocab_size": 50257, "n_positions": 8192},
+    },
+    "llama-gqa-small": {
+        "kind": "llama",
+        "cfg": {
+            "hidden_size": 2048,
+            "num_hidden_layers": 16,
+            "intermediate_size": 8192,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        },
+    },
 }
-AUTO_TARGETS = {"auto_overhead_max": ("<=", 0.05), "auto_hidden_min": (">=", 0.7)}
+# kind -> transformers' (config, model) classes
+_CLASSES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+_MOE = ("qwen2_moe", "mixtral")
+AUTO_TARGETS = {"auto_overhead_max": ("<=", 0.03), "auto_hidden_min": (">=", 0.7)}
 TARGETS = {
     "hidden_offload_efficiency": (">=", 0.8),
     "ckpt_offload_peak_vs_ckpt": ("<", 0.85),
@@ -115,25 +159,21 @@ def _build(name: str, device: torch.device) -> torch.nn.Module:
     spec = MODELS[name]
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    if spec["kind"] == "qwen2":
-        cfg = transformers.Qwen2Config(**spec["cfg"], attn_implementation="sdpa", use_cache=False)
-        cls = transformers.Qwen2ForCausalLM
-    else:
-        cfg = transformers.Qwen2MoeConfig(**spec["cfg"], attn_implementation="sdpa", use_cache=False)
-        cls = transformers.Qwen2MoeForCausalLM
+    cfg_cls, model_cls = (getattr(transformers, c) for c in _CLASSES[spec["kind"]])
+    cfg = cfg_cls(**spec["cfg"], attn_implementation="sdpa", use_cache=False)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = cls(cfg)
+            model = model_cls(cfg)
     finally:
         torch.set_default_dtype(old)
     return model.train()
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-    logits = model.lm_head(hidden[:, -HEAD_TOKENS:]).float()
+    hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, -HEAD_TOKENS:]).float()
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
@@ -147,7 +187,9 @@ class _Torch:
         if kind == "ckpt":
             from torch.utils.checkpoint import checkpoint
 
-            for layer in model.model.layers:
+            from ..activations.modmap import find_module_map
+
+            for _, layer in find_module_map(model).layers:
                 f = layer.forward
 
                 def wrapped(*a: Any, _f: Any = f, **k: Any) -> Any:
@@ -287,7 +329,7 @@ def _measure(model: torch.nn.Module, name: str, bs: int, seq: int, device: torch
 
 def _contenders(model_name: str, largest: bool, full: bool) -> list[str]:
     base = ["none", "ckpt", "rlmem:all", "rlmem:auto", "rlmem:ckpt+off"]
-    if model_name.startswith("qwen2-moe"):
+    if MODELS[model_name]["kind"] in _MOE:
         extra = ["rlmem:expert_fc1", "rlmem:moe_act"]
     else:
         extra = [f"rlmem:{n}" for n in NAMES_DENSE] + ["rlmem:core_attn+attn_proj+mlp_norm"]
@@ -404,11 +446,12 @@ def _points(text: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
     p = run_.parser
-    p.add_argument("--models", default="qwen2-2.5b,qwen2-wide,qwen2-moe-small,qwen2-gqa-small")
+    p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--grid", default="1x2048,2x2048,2x4096,4x4096", help="bs x seq points of qwen2-2.5b")
     p.add_argument("--grid-wide", default="2x2048,4x4096")
     p.add_argument("--grid-moe", default="2x2048,4x4096")
     p.add_argument("--grid-gqa", default="2x4096")
+    p.add_argument("--grid-other", default="2x2048,4x4096", help="points of the other families' models")
     p.add_argument(
         "--long",
         default="1x32768,1x65536,1x131072",
@@ -430,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         "qwen2-wide": args.grid_wide,
         "qwen2-moe-small": args.grid_moe,
         "qwen2-gqa-small": args.grid_gqa,
+        **dict.fromkeys(("mixtral-small", "gpt2-tied", "llama-gqa-small"), args.grid_other),
     }
     full = set(args.full_at.split(","))
     res: dict[str, Any] = {}
