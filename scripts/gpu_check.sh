@@ -66,7 +66,8 @@ if [[ $what == bench-server ]]; then
 fi
 if [[ $what == families ]]; then
   # rlmem train on every family x precision x rollout dtype, and engine=server on each family's default cell
-  # (args go to rlmem bench families, e.g. --families qwen3 --jobs 8)
+  # (args go to rlmem bench families, e.g. --precisions fp16-mixed --server none --merge)
+  [[ -f bench/results/families-$name.json ]] && cp "bench/results/families-$name.json" "$OUT/"
   python3 -m rlmem bench families --machine "$name" --json "$OUT/families-$name.json" "$@" \
     2>&1 | tee "$OUT/bench_families.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1

@@ -19,11 +19,18 @@ from rlmem.benchmarks import families
 
 def test_every_family_trains_in_fp32_and_through_the_server(tmp_path):
     out = tmp_path / "families.json"
-    code = families.main(["--device", "cpu", "--server", "qwen3", "--jobs", "2", "--json", str(out)])
+    # --merge keeps a cell of an earlier call that this one does not run (a family not asked for now)
+    earlier = dict(family="olmo", precision="fp32", rollout_dtype="none", engine="local", passed=True)
+    out.write_text(json.dumps({"results": {"cells": [earlier]}}))
+    argv = ["--device", "cpu", "--server", "qwen3", "--jobs", "2", "--merge", "--json", str(out)]
+    code = families.main(argv)
     data = json.loads(out.read_text())
-    cells = data["results"]["cells"]
+    assert data["results"]["cells"][0] == earlier
+    assert data["config"]["kept_from_earlier_calls"] == ["olmo/fp32/none/local"]
+    cells = data["results"]["cells"][1:]
     assert data["summary"]["failed"] == [] and code == 0
-    assert data["summary"]["cells"] == data["summary"]["passed"] == len(families.FAMILIES) + 1 == len(cells)
+    summary = data["summary"]
+    assert summary["cells"] == summary["passed"] == len(families.FAMILIES) + 2 == len(cells) + 1
     assert {c["family"] for c in cells} == set(families.FAMILIES)
     for c in cells:
         assert c["precision"] == "fp32" and c["exit_code"] == 0, c

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--jobs", type=int, default=None, help="local cells at once (default: 6 GPU, 2 CPU)")
     p.add_argument("--keep", default=None, help="make the models and runs here and keep them")
+    p.add_argument("--merge", action="store_true", help="keep the cells of an existing JSON not run now")
     p.add_argument(
         "--data",
         default="file",
@@ -177,11 +178,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"FAILED {cell_name(c)} (exit {c['exit_code']}):\n{c.get('error', 'not bit-identical')}\n",
                 file=sys.stderr,
             )
+    kept = []
+    if args.merge:  # cells of an earlier call not run now (a server cell's local twin always runs with it)
+        now = {cell_name(c) for c in done}
+        kept = [c for c in run_.previous().get("cells", []) if cell_name(c) not in now]
+    done = kept + done
     print(_table(done))
     summary = summarize(done)
     config = dict(families=families, precisions=precisions, rollouts=rollouts, server=server)
     config.update(steps=args.steps, default_cell=list(default), train_args=_TRAIN, data=args.data)
     config["transformers"] = package_version("transformers")  # the families' code is transformers
+    config["kept_from_earlier_calls"] = [cell_name(c) for c in kept]
     run_.finish(summary, config=config, results={"cells": done})
     return 0 if summary["all_passed"] else 1
 
