@@ -339,9 +339,9 @@ class PrefixSearch:
 
     A prefix that offloads less than :data:`SMALL_SHARE` of the step's activation bytes may add no more than
     :data:`SMALL_LIMIT` (or ``limit``, if lower). The whole plan is measured first; while a prefix adds too
-    much, the search halves towards the longest
-    one measured within the limit, and stops when the gap is under 1/16 of the plan or after ``tries``
-    prefixes, keeping the longest prefix measured within the limit (none, if none was).
+    much, the search halves towards the longest one measured within the limit, and stops when the gap is
+    under 1/16 of the plan or after ``tries`` prefixes, keeping the longest prefix measured within the limit
+    (none, if none was).
 
     Each step of a prefix is paired with a step without offloading just before it (:attr:`wants_reference`,
     :meth:`record_reference`; without them the reference given at the start stands in) and the prefix
@@ -374,7 +374,6 @@ class PrefixSearch:
         self._all_refs: list[float] = [baseline_s]  # every reference step: the in-a-row check's reference
         self._good: list[int] = []  # prefixes measured within the limit (in pairs)
         self._full = balanced(plan.chosen)
-        self._limit = limit
         # What a prefix may add: ``limit``, and no more than SMALL_LIMIT where it offloads under SMALL_SHARE
         # of the step's activation bytes (a small saving is not worth much of the step).
         small = min(limit, SMALL_LIMIT)

@@ -175,6 +175,7 @@ class ActivationOffloader:
         self._kept_seen = 0  # how many of them were seen copied
         self._hooks: list[Any] = []
         self._scope_hooks: list[Any] = []
+        self._hooked: set[tuple[str, int]] | None = None  # the selection the scopes' hooks are on (None: all)
         self._active = False
         self._scope: list[tuple[str, int] | None] = []
         self._pushed: list[bool] = []
@@ -212,7 +213,6 @@ class ActivationOffloader:
         self._calls = _HookCalls(self)
         self._hooks = _scopes.install_layers(self._calls)
         self._scope_hooks = _scopes.install_scopes(self._calls)
-        self._hooked: set[tuple[str, int]] | None = None  # the selection the scopes' hooks are on (None: all)
 
     # ----------------------------------------------------------------- scopes
     def _layer_started(self, i: int) -> None:
