@@ -19,26 +19,27 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-_DECODER = dict(num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+_DECODER = dict(
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=256,
+)
+_GROUPED = dict(_DECODER, num_key_value_heads=2)
 # family -> (config class, model class, the config's sizes): two layers, four query heads over two KV heads
 # where the family groups them, the rest of each config its defaults (Gemma2's sliding window and soft
 # caps, Qwen3's query/key norms, Phi-3's fused projections, GPT-2's tied embeddings and learned positions).
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
-              num_key_value_heads=2)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
-              num_key_value_heads=2)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
-              num_key_value_heads=2, head_dim=16)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
-                num_key_value_heads=2)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
-               num_key_value_heads=2, head_dim=16)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128,
-             num_key_value_heads=2)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _GROUPED),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _GROUPED),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_GROUPED, head_dim=16)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", _GROUPED),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_GROUPED, head_dim=16)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", _GROUPED),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
-    "gptneox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_DECODER, hidden_size=64, intermediate_size=128)),
-}  # fmt: skip
+    "gptneox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _DECODER),
+}
 
 
 def questions(n: int, seed: int) -> list[dict[str, str]]:
