@@ -31,7 +31,7 @@ from .assets import FAMILIES, model_dir, tokenizer_and_data
 
 NAME = "families"
 TARGETS = {"all_passed": ("==", True)}
-_TRAIN = ["reward=math", "steps=2", "prompts_per_step=4", "group_size=2", "max_new_tokens=8", "save_every=0"]
+_TRAIN = ["reward=math", "prompts_per_step=4", "group_size=2", "max_new_tokens=8", "save_every=0"]
 _TRAIN += ["progress=false", "plot=false", "max_prompt_len=64"]
 
 
@@ -46,7 +46,7 @@ def run_cell(cell: dict[str, Any], assets: Path, device: str, steps: int) -> dic
     data = assets / "arith.jsonl" if cell.get("data", "file") == "file" else "arithmetic"
     argv += [f"data={data}", f"device={device}", f"precision={cell['precision']}"]
     argv += [f"rollout_dtype={cell['rollout_dtype']}", f"engine={cell['engine']}", f"out_dir={out}"]
-    argv += [a for a in _TRAIN if not a.startswith("steps=")] + [f"steps={steps}"]
+    argv += [*_TRAIN, f"steps={steps}"]
     # cuBLAS reduces deterministically only with a fixed workspace: the server cell is compared bit for bit
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
