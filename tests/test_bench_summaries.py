@@ -37,6 +37,8 @@ def test_activations_summary_takes_auto_from_every_model_and_ckpt_from_the_long_
     assert s["auto_by_model"]["qwen2-2.5b"]["hidden"] == pytest.approx(36 / 40)
     assert s["auto_by_model"]["qwen2-gqa-small"]["hidden"] == pytest.approx(5 / 10)
     assert s["auto_overhead_max"] == pytest.approx(0.1) and s["auto_hidden_min"] == pytest.approx(0.5)
+    assert s["auto_points"]["qwen2-2.5b"]["2x2048"]["overhead"] == pytest.approx(0.02)
+    assert "auto_overhead_small_max" not in s  # no point says how many activation bytes there were
     assert s["ckpt_offload_point"] == "1x32768"
     assert s["ckpt_offload_peak_vs_ckpt"] == pytest.approx(0.75)
     assert s["grid_ckpt_offload_peak_vs_ckpt"] == pytest.approx(121 / 120)
@@ -188,3 +190,28 @@ def test_rollout_summary_takes_the_gqa_keys_from_the_gqa_preset_whatever_the_ord
     assert s["graph_vs_bound_b64"] == pytest.approx(2.8 / 5.0) and s["speedup_vs_hf_generate_b64"] == 1.4
     assert s["varlen_speedup_vs_static"] == 1.6 and s["varlen_greedy_speedup_vs_static"] == 1.8
     assert s["recaptures_over_100_cycles"] == 0 and s["capture_s"] == 10.0
+
+
+def test_activations_auto_overhead_is_over_the_interleaved_steps_at_every_point():
+    link = {"d2h_bytes_per_s": 50 * GB, "h2d_bytes_per_s": 50 * GB}
+
+    def auto(step, plain, off, act):
+        return {**_row(step, off=off), "none_step_s": plain, "activation_bytes": act}
+
+    res = {
+        "mixtral-small": {
+            # none's block ran faster than the steps interleaved with auto's: the pairs count
+            "2x2048": {"none": _row(0.070, 0.03), "rlmem:auto": auto(0.0836, 0.0820, 0, 100)},
+            "4x4096": {"none": _row(0.125, 0.05), "rlmem:auto": auto(0.1275, 0.1250, 30, 100)},
+        },
+        "gpt2-tied": {"2x2048": {"rlmem:auto": auto(0.0505, 0.050, 5, 100)}},  # --only rlmem:auto
+    }
+    s = activations.summarize(res, link, dict.fromkeys(res, link))
+    pts = s["auto_points"]
+    assert pts["mixtral-small"]["2x2048"]["overhead"] == pytest.approx(0.0836 / 0.0820 - 1)
+    assert pts["mixtral-small"]["2x2048"]["interleaved"] is True
+    assert s["auto_overhead_max"] == pytest.approx(0.02)  # 4x4096: 0.1275 / 0.125, over every point
+    # where it offloaded under a tenth of the activations: mixtral 2x2048 (0) and gpt2 (5%)
+    assert s["auto_overhead_small_max"] == pytest.approx(0.0836 / 0.0820 - 1)
+    assert s["auto_by_model"]["mixtral-small"]["hidden"] == pytest.approx(30 / (50 * GB * 0.05))
+    assert "hidden" not in s["auto_by_model"]["gpt2-tied"]  # no none at its point: no forward time
