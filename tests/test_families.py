@@ -37,6 +37,12 @@ def test_every_family_trains_in_fp32_and_through_the_server(tmp_path):
         assert len(c["losses"]) == 2 and all(math.isfinite(x) for x in c["losses"]), c
     served = [c for c in cells if c["engine"] == "server"]
     assert [c["family"] for c in served] == ["qwen3"] and served[0]["same_as_local"]
+    # the equality says something: the reward moves with the sampled text, so updates are not zero
+    twin = next(c for c in cells if c["family"] == "qwen3" and c["engine"] == "local")
+    assert any(x != 0 for x in twin["losses"] + twin["grad_norm"]) and len(set(twin["rewards"])) > 1, twin
+    for field in ("losses", "rewards", "tokens", "kl", "grad_norm"):
+        other = {**served[0], field: [x + 1 for x in served[0][field]]}
+        assert not families._same_as_local(other, cells), field
 
 
 def test_the_matrix_and_bad_arguments(capsys):

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "model_dir", "questions", "tokenizer_and_data"]
+__all__ = ["FAMILIES", "model_dir", "questions", "text_reward", "tokenizer_and_data"]
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -50,6 +50,14 @@ def questions(n: int, seed: int) -> list[dict[str, str]]:
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         out.append({"prompt": f"What is {a}+{b}? Put the answer in \\boxed{{}}.", "answer": str(a + b)})
     return out
+
+
+def text_reward(prompt: Any, completion: str, answer: Any) -> float:
+    """A reward in [0, 1] that every character of the completion moves (its code points' sum mod 101,
+    over 100): a random model earns ``math``'s 0.0 on every sample, so its advantages, losses and
+    gradients would all be zero and two runs would agree whatever they sampled. Use it as
+    ``reward=rlmem.benchmarks.assets:text_reward``."""
+    return (sum(map(ord, completion)) % 101) / 100
 
 
 def tokenizer_and_data(d: str | Path, rows: int = 512) -> tuple[Path, Path]:

@@ -2,12 +2,14 @@
 two-step runs that keeps breaks like Qwen3's under autocast (its first rollout failed at bf16-mixed, the GPU
 default) from reaching users.
 
-Each cell is ``rlmem train model=DIR data=FILE reward=math steps=2 ...`` in a process of its own, on a tiny
-random model of the family saved with ``save_pretrained`` and a tokenizer trained here (:mod:`.assets`):
-a family x ``precision`` x ``rollout_dtype`` (``none``: the rollout runs the training weights; ``bf16``: a
-copy), then ``engine=server`` on each family's default cell, whose rewards and losses must equal the
-in-process engine's bit for bit. A cell passes when its run exits 0 with every step's loss finite. Off a
-GPU the matrix is the fp32 cells (CI runs them).
+Each cell is ``rlmem train model=DIR data=FILE reward=rlmem.benchmarks.assets:text_reward steps=2 ...`` in
+a process of its own, on a tiny random model of the family saved with ``save_pretrained`` and a tokenizer
+trained here (:mod:`.assets`): a family x ``precision`` x ``rollout_dtype`` (``none``: the rollout runs the
+training weights; ``bf16``: a copy), then ``engine=server`` on each family's default cell, whose rewards,
+losses, sampled tokens, KL and gradient norms must equal the in-process engine's bit for bit (the reward is
+one the sampled text moves: ``math`` gives a random model 0.0 on every sample, and so zero losses whatever it
+sampled). A cell passes when its run exits 0 with every step's loss finite. Off a GPU the matrix is the fp32
+cells (CI runs them).
 
 Summary: ``cells``, ``passed``, ``failed`` (the names of the cells that did not pass), ``all_passed``.
 """
@@ -31,8 +33,15 @@ from .assets import FAMILIES, model_dir, tokenizer_and_data
 
 NAME = "families"
 TARGETS = {"all_passed": ("==", True)}
-_TRAIN = ["reward=math", "prompts_per_step=4", "group_size=2", "max_new_tokens=8", "save_every=0"]
-_TRAIN += ["progress=false", "plot=false", "max_prompt_len=64"]
+# A reward the sampled text moves, so that rewards, losses and gradients differ from zero (math's would be
+# 0.0 for every sample of a random model) and a server cell's equality with its twin says something.
+_TRAIN = ["reward=rlmem.benchmarks.assets:text_reward", "prompts_per_step=4", "group_size=2"]
+_TRAIN += ["max_new_tokens=8", "save_every=0", "progress=false", "plot=false", "max_prompt_len=64"]
+
+
+# Besides rewards and losses, what a server cell must equal its twin in, step by step (the sampled tokens'
+# count, the KL to the reference and the gradient norm of the update).
+_COMPARED = ("tokens", "kl", "grad_norm")
 
 
 def cell_name(c: dict[str, Any]) -> str:
@@ -56,6 +65,9 @@ def run_cell(cell: dict[str, Any], assets: Path, device: str, steps: int) -> dic
     if proc.returncode == 0 and summary.is_file():
         s = json.loads(summary.read_text())
         res.update(losses=s["losses"], rewards=s["rewards"], steps=s["steps"])
+        rows = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines() if ln.strip()]
+        for k in _COMPARED:
+            res[k] = [r[k] for r in rows if "step" in r and k in r]
     ok = res.get("steps") == steps and all(math.isfinite(x) for x in res.get("losses", [math.nan]))
     res["passed"] = proc.returncode == 0 and ok
     if not res["passed"]:
@@ -98,10 +110,12 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _same_as_local(served: dict[str, Any], local: list[dict[str, Any]]) -> bool:
-    """Whether a server cell's rewards and losses equal its local twin's, bit for bit."""
+    """Whether a server cell's rewards, losses, tokens, KL and gradient norms equal its local twin's, bit
+    for bit."""
     key = {k: served[k] for k in ("family", "precision", "rollout_dtype")}
     twin = next(c for c in local if {k: c[k] for k in key} == key)
-    return bool(twin["passed"]) and (twin["losses"], twin["rewards"]) == (served["losses"], served["rewards"])
+    fields = ("losses", "rewards", *_COMPARED)
+    return bool(twin["passed"]) and all(twin.get(f) == served.get(f) for f in fields)
 
 
 def _table(cells: list[dict[str, Any]]) -> str:
