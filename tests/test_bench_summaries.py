@@ -118,6 +118,15 @@ def test_real_model_summary_reads_the_eval_curve_and_compares_the_two_runs():
     assert s["offload_identical"] is True and s["checkpoint_loads_plain"] is True and s["step_s"] == 2.0
     off = part([0.1, 0.3], [0.5, 0.2500001], [(0, 0.3), (2, 0.6)])
     assert real_model.summarize({"offload": on, "nooffload": off})["offload_identical"] is False
+    # step times are compared only between parts of one invocation (merged parts may be other machines)
+    assert "offload_step_ratio" not in s
+    slow = part([0.1, 0.3], [0.5, 0.25], [(0, 0.3), (2, 0.6)])
+    for st in slow["steps"]:
+        st["step_s"] = 1.6
+    s = real_model.summarize({"offload": {**on, "invocation": "a"}, "nooffload": {**slow, "invocation": "a"}})
+    assert s["offload_step_ratio"] == pytest.approx(1.25)
+    s = real_model.summarize({"offload": {**on, "invocation": "a"}, "nooffload": {**slow, "invocation": "b"}})
+    assert "offload_step_ratio" not in s and s["step_s_nooffload"] == 1.6
 
 
 def test_colocate_summary_compares_the_three_syncs_with_the_bound():

@@ -9,7 +9,10 @@ checkpoint is loaded in another process with plain transformers (``gguf`` and ``
 
 Summary: ``eval_reward_before`` / ``eval_reward_after`` (the held-out reward before the first update and after
 the last), ``eval_gain``, ``offload_identical``, ``step_s`` (median step of the offload run),
-``switch_share_of_step`` (its phase switches over its steps), ``checkpoint_loads_plain``.
+``switch_share_of_step`` (its phase switches over its steps), ``checkpoint_loads_plain``, and where both
+parts ran in one invocation, one after the other on the same machine, ``offload_step_ratio``: ``step_s``
+over ``step_s_nooffload`` (parts merged from separate calls may have run on different machines: their
+steps are not compared).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ TARGETS = {
     "offload_identical": ("==", True),
     "checkpoint_loads_plain": ("==", True),
     "switch_share_of_step": ("<", 0.05),
+    "offload_step_ratio": ("<=", 1.03),
 }
 
 _LOAD_PLAIN = (
@@ -115,6 +120,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     if on.get("steps") and off.get("steps"):
         s["offload_identical"] = on["rewards"] == off["rewards"] and on["losses"] == off["losses"]
         s["step_s_nooffload"] = statistics.median(r["step_s"] for r in off["steps"])
+        if on.get("invocation") is not None and on.get("invocation") == off.get("invocation"):
+            s["offload_step_ratio"] = s["step_s"] / s["step_s_nooffload"]
         s["evals_identical"] = on["evals"] == off["evals"]
     return s
 
@@ -145,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         run_.error(f"--parts must be a comma-separated subset of {', '.join(PARTS)}")
     args.forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--merge"]
     res: dict[str, Any] = run_.previous() if args.merge else {}
+    invocation = uuid.uuid4().hex  # which parts ran side by side (offload_step_ratio compares only those)
     for part in parts:  # a part takes minutes: the two can be measured in separate calls and merged
         # cuBLAS picks deterministic reductions only with a fixed workspace, set before CUDA starts.
         env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
         res[part] = spawn_part("rlmem.benchmarks.real_model", part, args.forward, env=env)
+        res[part]["invocation"] = invocation
     failed = {k: v["error"] for k, v in res.items() if "error" in v}
     for k, v in failed.items():
         print(f"{k} failed:\n{v}", file=sys.stderr)
