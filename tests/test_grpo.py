@@ -83,6 +83,12 @@ def test_config_errors_name_the_key(tmp_path):
         GRPOConfig(rollout_dtype="int8")
     with pytest.raises(ValueError, match="comms must be 'keep' or 'suspend'"):
         GRPOConfig(comms="destroy")
+    with pytest.raises(ValueError, match=r"engine_url must be a URL whose only placeholder is \{local_rank"):
+        GRPOConfig(engine="server", engine_url="unix:///run/serve-{rank}.sock")
+    with pytest.raises(ValueError, match="engine_url must be"):
+        GRPOConfig(engine="server", engine_url="unix:///run/serve-{local_rank.sock")
+    url = GRPOConfig(engine="server", engine_url="unix:///run/serve-{local_rank}.sock").engine_url
+    assert url is not None and url.format(local_rank=1) == "unix:///run/serve-1.sock"
     # one process on the CPU has no NCCL communicators to suspend: refused before anything is built
     with pytest.raises(ValueError, match=r"comms='suspend' .* 1 rank\(s\) on cpu"):
         run(GRPOConfig(comms="suspend", device="cpu", out_dir=str(tmp_path / "s")), echo=lambda *a, **k: None)

@@ -90,6 +90,17 @@ class PhaseSummary(Result):
         return out
 
 
+def text_table(rows: list[list[str]]) -> str:
+    """``rows`` (the header first) as aligned columns: the first left-aligned, the rest right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def _rss() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -276,7 +287,7 @@ class MemoryTimeline:
         summ = self.summary()
         if not summ:
             return "(no samples)"
-        keys = sorted({k for d in summ.values() for k in d.maxima}, key=_order)
+        keys = sorted({k for d in summ.values() for k in d.maxima}, key=metric_order)
         biggest = max(
             [d.peak or 0 for d in summ.values()] + [v for d in summ.values() for v in d.maxima.values()]
         )
@@ -292,13 +303,7 @@ class MemoryTimeline:
             ]
             cells += [_size(d.maxima.get(k), unit) for k in keys]
             rows.append(cells)
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = [
-            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-            for r in rows
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return f"memory by phase ({unit_name}; maxima over the run)\n" + "\n".join(lines)
+        return f"memory by phase ({unit_name}; maxima over the run)\n" + text_table(rows)
 
     def plot(self, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
         """Draw memory by category over time, phases shaded, to a PNG at ``path``.
@@ -400,7 +405,8 @@ def _slope(pts: list[tuple[int, int]]) -> float:
     return sum((x - mx) * (y - my) for x, y in pts) / den if den else 0.0
 
 
-def _order(k: str) -> tuple[int, str]:
+def metric_order(k: str) -> tuple[int, str]:
+    """The sort key of the memory table's columns: totals first, host memory last."""
     fixed = ["used", "allocated", "reserved"]
     tail = ["pinned", "host_backup", "rss"]
     if k in fixed:

@@ -101,10 +101,12 @@ class GRPOConfig:
         engine: ``"local"`` (the sampler in this process) or ``"server"``: ``rlmem serve`` in a process of its
             own on the same GPU samples from this process's rollout copy of the policy (shared, not copied:
             ``rollout_dtype``, else the training dtype), handing the device over through a broker at each
-            phase switch; its memory shows in the timeline and the table as ``server_*``. One GPU, one rank.
+            phase switch; its memory shows in the timeline and the table as ``server_*``. Under torchrun every
+            rank has its own server on its GPU, sampling that rank's share of the prompts.
         engine_url: with ``engine=server``, a server already running (``rlmem serve --weights shared
             --broker PATH``, e.g. ``unix:///PATH`` or ``http://127.0.0.1:PORT``) instead of starting one;
-            it must have joined a broker this process can reach (its ``/health`` says where).
+            it must have joined a broker this process can reach (its ``/health`` says where). Under torchrun
+            ``{local_rank}`` in it is each rank's local rank (``unix:///run/rlmem/serve-{local_rank}.sock``).
         out_dir: where the log, timeline, table and plot go.
         progress: draw a progress bar on a terminal.
         plot: write ``memory.png`` at the end (needs matplotlib).
@@ -202,6 +204,11 @@ class GRPOConfig:
             "None or a URL (http://HOST:PORT or unix:///PATH)",
         )
         need("engine_url", eu is None or self.engine == "server", "unset unless engine=server")
+        if isinstance(eu, str):
+            try:
+                eu.format(local_rank=0)
+            except (KeyError, IndexError, ValueError):
+                need("engine_url", False, "a URL whose only placeholder is {local_rank}")
         mt = self.max_tokens_per_micro_batch
         need("max_tokens_per_micro_batch", mt is None or (is_int(mt) and mt >= 1), "None or an int >= 1")
         need(

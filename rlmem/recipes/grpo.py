@@ -145,7 +145,7 @@ def _train(
     copy = f", rollout {str(rt.rollout_dtype).removeprefix('torch.')}" if rt.rollout_dtype else ""
     say(banner(cfg, policy.n_params, rt.world, rt.device, rt.precision + copy, policy.offload))
     saved_at = start if cfg.resume is not None and start else None
-    done, updating, interrupted = start, False, False
+    done, updating, interrupted, together = start, False, False, True
     lost: EngineLostError | None = None
     stop = StopRequest(say)  # Ctrl-C finishes the step in flight, then saves; a second one stops at once
     # Only now: a run refused above has written nothing over an earlier one.
@@ -232,8 +232,8 @@ def _train(
                 if stop.agreed(rt):
                     interrupted = True
                     break
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt:  # a second Ctrl-C: this rank stops where it is, not with the others
+            interrupted, together = True, False
         except EngineLostError as e:  # the state is intact (on the device or in host memory): save it
             interrupted, lost = True, e
             say(f"{e}\nending the run after step {done}")
@@ -247,7 +247,7 @@ def _train(
         if not interrupted and cfg.eval_every and done > start:
             log.eval(done, _evaluate(policy, prompts, rt, tl, done))
         policy.close()  # before the summary: the server's last report is in the ledger's final samples
-    summary = log.finish(tl, policy.offload, done=done, interrupted=interrupted)
+    summary = log.finish(tl, policy.offload, done=done, interrupted=interrupted, together=together)
     tl.check_leaks()
     if lost is not None:
         raise lost
@@ -417,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     except EngineLostError as e:
         print(f"rlmem train: error: {e}", file=sys.stderr)
+        # Every rank raised it at the same exchange (the ranks agree on each): they meet below, so that
+        # none is ended by the launcher before its own end is written.
+        done = True
         return 5
     except torch.OutOfMemoryError as e:
         print(
@@ -429,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         distributed = dist.is_initialized()
         if distributed:
             if done:
-                # Every rank finished: meet before tearing the group down, or one rank's teardown can
-                # race another's last traffic (seen as an abort at exit on Gloo).
+                # Every rank finished (or lost a server together): meet before tearing the group down, or
+                # one rank's teardown can race another's last traffic (seen as an abort at exit on Gloo).
                 dist.barrier()
             dist.destroy_process_group()
     if distributed:

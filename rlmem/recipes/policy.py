@@ -24,7 +24,7 @@ from ..train.state import TrainState
 from . import gguf
 from .config import TINY, GRPOConfig, is_fraction
 from .prompts import PromptSource
-from .runtime import Runtime, offload
+from .runtime import Runtime, local_rank, offload
 from .served import SERVER_CATEGORIES, ServerRollout
 
 __all__ = ["Policy", "build_policy", "materialize_optimizer_state"]
@@ -177,13 +177,16 @@ class Policy:
                 cuda_graphs=cfg.cuda_graphs,
             )
             if cfg.engine == "server":
+                # Under torchrun a server per rank, on its GPU: its log, and a running one's URL, by rank.
+                url = None if cfg.engine_url is None else cfg.engine_url.format(local_rank=local_rank())
                 self.engine = ServerRollout(
                     self.model,
                     device=rt.device,
                     weights_dtype=rollout_dtype or rt.param_dtype,
                     sampler=sampler,
-                    url=cfg.engine_url,
-                    log=Path(cfg.out_dir) / "server.log",
+                    url=url,
+                    log=Path(cfg.out_dir) / ("server.log" if rt.world == 1 else f"server-rank{rt.rank}.log"),
+                    group=rt.ctl if rt.world > 1 else None,
                 )
                 if self.pm.state is not None:
                     self.engine.track_train_state(self.pm.state)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .._units import GiB, MiB
-from ..monitor.timeline import MemoryTimeline
+from ..monitor.timeline import MemoryTimeline, metric_order, text_table
 from .config import GRPOConfig
 
 __all__ = ["banner", "comm_figures", "eval_line", "max_used", "report", "step_line", "summarize", "title"]
@@ -122,6 +122,26 @@ def summarize(
         "leaks": [f.as_dict() for f in tl.leaks()],
         "evals": [[r["eval_step"], r["eval/reward"]] for r in evals],  # (updates made, eval reward)
     }
+
+
+def rank_table(ranks: list[dict[str, dict[str, Any]]]) -> str:
+    """Every rank's memory by phase (MiB, maxima over the run): its peak and what its trainer and its
+    rollout (the engine here, or the rank's server) held, from each rank's ``summary["phases"]``."""
+    cats: list[str] = []
+    for phases in ranks:
+        for v in phases.values():
+            cats += [k for k in v if k.startswith("max_") and k not in cats and k != "max_rss"]
+    cats.sort(key=lambda k: metric_order(k.removeprefix("max_")))
+    rows = [["phase", "rank", "peak alloc", *(c.removeprefix("max_") for c in cats)]]
+    for name in dict.fromkeys(n for phases in ranks for n in phases):
+        for r, phases in enumerate(ranks):
+            v = phases.get(name, {})
+            rows.append([name, str(r), *(_mib(v.get(k)) for k in ("peak", *cats))])
+    return "memory by rank and phase (MiB; maxima over the run)\n" + text_table(rows)
+
+
+def _mib(v: Any) -> str:
+    return "-" if v is None else f"{v / MiB:.2f}"
 
 
 def report(run_dir: str | os.PathLike[str], *, echo: Any = print, plot: bool = True) -> int:

@@ -1,7 +1,7 @@
 """What a run of ``rlmem train`` writes and prints: ``config.yaml``, ``log.jsonl`` (rewritten on resume to
 the steps before the one resumed from), the optional loggers and progress bar, the step line, one record per
 step (built in one place), the memory timeline's categories, and, at the end, the summary, the memory table
-and the plot. Only the lead rank writes."""
+and the plot. Only the lead rank writes, but for each rank's own timeline."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from ..monitor.timeline import MemoryTimeline
 from .config import GRPOConfig
 from .loggers import Loggers, Progress, parse_loggers
-from .report import comm_figures, eval_line, max_used, step_line, summarize, title
+from .report import comm_figures, eval_line, max_used, rank_table, step_line, summarize, title
 from .runtime import Runtime
 from .yaml_config import dump
 
@@ -157,19 +157,31 @@ class RunLog:
         if self.loggers is not None:
             self.loggers.close()
 
-    def finish(self, tl: MemoryTimeline, offload: bool, *, done: int, interrupted: bool) -> dict[str, Any]:
-        """The run's summary (written with the timeline, on the lead), the memory table, plot and reward."""
+    def finish(
+        self, tl: MemoryTimeline, offload: bool, *, done: int, interrupted: bool, together: bool = True
+    ) -> dict[str, Any]:
+        """The run's summary (written with the timeline, on the lead), the memory table, plot and reward.
+        Under torchrun each rank writes its own timeline and, where the ranks ended ``together`` (not a
+        second Ctrl-C), the lead's summary and table have every rank's memory by phase."""
         cfg, rt, out, say = self.cfg, self.rt, self.out, self.say
         wall = time.perf_counter() - self.t0
         summary = summarize(
             cfg, self.history, tl, offload, rt.precision, rt.world, rt.device, wall, self.evals
         )
+        ranks: list[Any] = [summary["phases"]]
+        if rt.world > 1 and together:
+            ranks = [None] * rt.world
+            torch.distributed.all_gather_object(ranks, summary["phases"], group=rt.ctl)
+            summary["phases_by_rank"] = ranks
         if not rt.lead:
+            tl.save(out / f"timeline-rank{rt.rank}.jsonl")
             return summary
         tl.save(out / "timeline.jsonl")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         say("")
         say(tl.report())
+        if len(ranks) > 1:
+            say(rank_table(ranks))
         if cfg.plot:
             try:
                 say(f"timeline plot: {tl.plot(out / 'memory.png', title=title(cfg, offload, rt.device))}")

@@ -3,6 +3,7 @@ the precision (autocast and the fp16 loss scaler), and the Ctrl-C handling every
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import threading
@@ -15,7 +16,10 @@ import torch.distributed as dist
 
 from .config import ROLLOUT_DTYPES, GRPOConfig
 
-__all__ = ["Runtime", "StopRequest", "rollout_dtype", "setup"]
+__all__ = ["Runtime", "StopRequest", "local_rank", "rollout_dtype", "setup"]
+
+# The longest one rank waits on the control group for the others: a rollout, or a checkpoint's save.
+CTL_TIMEOUT_S = 1800.0
 
 
 @dataclass
@@ -24,8 +28,9 @@ class Runtime:
 
     ``rollout_dtype`` is the config's, resolved: ``"auto"`` is the autocast dtype on a GPU (every inference
     engine samples from weights in it; under autocast the matrix products see them in it anyway), no copy
-    otherwise. ``ctl`` is a Gloo group for the rollout's own reductions while the NCCL groups are suspended
-    (None unless ``comms='suspend'``)."""
+    otherwise. ``ctl`` is a Gloo group for the rollout's own reductions while the NCCL groups are suspended,
+    and for the ranks' agreement on each exchange with their servers (None on one rank, or unless
+    ``comms='suspend'`` or ``engine='server'``)."""
 
     device: torch.device
     rank: int
@@ -83,14 +88,13 @@ def setup(cfg: GRPOConfig) -> Runtime:
         scaler=torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None,
         rollout_dtype=rollout_dtype(cfg.rollout_dtype, amp_dtype, on_cuda),
     )
-    if cfg.engine == "server" and world > 1:
-        raise ValueError(
-            f"engine=server: one rank per GPU with its server is not supported yet; this run has {world} "
-            "ranks (use engine=local under torchrun)"
-        )
     if cfg.comms == "suspend":
         _check_suspend(rt, offload(cfg, rt))
-        rt.ctl = dist.new_group(backend="gloo")
+    if world > 1 and (cfg.comms == "suspend" or cfg.engine == "server"):
+        # Gloo, on the host: it works while NCCL's communicators are suspended, and with a server per rank
+        # the ranks agree on every exchange with their servers through it (a rank whose server died must
+        # not leave the others waiting in a collective on the device).
+        rt.ctl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CTL_TIMEOUT_S))
     return rt
 
 
@@ -120,7 +124,7 @@ def _setup_device(cfg: GRPOConfig) -> tuple[torch.device, int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return torch.device(want, 0) if want == "cuda" else torch.device("cpu"), 0, 1
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = local_rank()
     device = torch.device("cuda", local) if want == "cuda" else torch.device("cpu")
     if want == "cuda":
         torch.cuda.set_device(device)
@@ -130,6 +134,11 @@ def _setup_device(cfg: GRPOConfig) -> tuple[torch.device, int, int]:
     if cfg.prompts_per_step % world:
         raise ValueError(f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the {world} ranks")
     return device, dist.get_rank(), world
+
+
+def local_rank() -> int:
+    """This process's rank on its node (torchrun's ``LOCAL_RANK``; 0 without torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def _check_suspend(rt: Runtime, offloading: bool) -> None:

@@ -6,6 +6,12 @@ running, ``engine_url``), and drives it as :class:`~rlmem.RemoteEngine`: the pha
 fenced handoffs, a weight sync is the in-place copy into the shared memory, generation is HTTP. What the
 server holds comes from its ledger entry. A server that dies ends the run with :class:`EngineLostError`
 (after the checkpoint the loop writes).
+
+Under torchrun every rank has its own server (and broker) on its GPU. Every exchange with a server (the
+handoffs, a generation) is followed by the ranks' agreement on a Gloo group: a rank whose server died tells
+the others there, so every rank raises at the same point, none is left waiting in a collective on the
+device, and they save the checkpoint together. A rank learns of another's lost server when its own
+exchange is done: within one rollout of the death.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..colocate import Broker, Member, PeerLostError, RemoteEngine, RemoteError, SharedWeights
@@ -56,6 +63,8 @@ class ServerRollout:
             ``eos_token_id``, ``compute_dtype``, ``cuda_graphs``), for a server this process starts.
         url: a running server (``engine_url``), or None to start one.
         log: where a started server's output goes.
+        group: under torchrun, the Gloo group the ranks agree on after every exchange with their servers
+            (None on one rank).
 
     Raises:
         EngineLostError: the server did not start, or died starting.
@@ -71,6 +80,7 @@ class ServerRollout:
         sampler: dict[str, Any],
         url: str | None,
         log: Path,
+        group: Any = None,
     ) -> None:
         missing = [m for m in ("httpx", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
         if missing:
@@ -81,6 +91,8 @@ class ServerRollout:
         self.broker: Broker | None = None
         self.member: Member | None = None
         self.log = log
+        self._group = group
+        self._rank = dist.get_rank() if group is not None else None
         self._dir = Path(tempfile.mkdtemp(prefix="rlmem-serve-"))  # private (0700)
         self.shared = SharedWeights(model, weights_dtype, buffers=True, name="rollout_weights")
         try:
@@ -119,7 +131,8 @@ class ServerRollout:
         with open(self.log, "ab") as out:
             # Its own session: a Ctrl-C at the terminal reaches this process alone, which ends the step, saves
             # and then stops the server.
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=out, start_new_session=True)
+            env = _server_env()
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=out, start_new_session=True, env=env)
         url = f"unix://{sock}"
         t0 = time.monotonic()
         probe = RemoteEngine(url, timeout=5.0)
@@ -159,11 +172,11 @@ class ServerRollout:
         self.member.track_train_state(state)
 
     def sleep(self, level: int = 1) -> None:
-        self._guard(self.remote.sleep, level)
+        self._call(self.remote.sleep, level)
         self._ledger = (0.0, {})  # what the server holds has changed: read it again
 
     def wake(self, tags: Any = None) -> None:
-        self._guard(self.remote.wake, tags)
+        self._call(self.remote.wake, tags)
         self._ledger = (0.0, {})
 
     def sync_weights(self) -> None:
@@ -171,9 +184,12 @@ class ServerRollout:
         self.shared.sync()
 
     def generate(self, prompts: list[list[int]], **kw: Any) -> list[list[int]]:
-        out = self._guard(self.remote.generate, [list(p) for p in prompts], **kw)
-        self._stats = self._guard(self.remote.stats)
+        out, self._stats = self._call(self._generate, [list(p) for p in prompts], **kw)
         return out  # type: ignore[return-value]
+
+    def _generate(self, prompts: list[list[int]], **kw: Any) -> tuple[list[list[int]], dict[str, Any]]:
+        out = self._guard(self.remote.generate, prompts, **kw)
+        return out, self._guard(self.remote.stats)
 
     @property
     def batch_size(self) -> int:
@@ -201,6 +217,32 @@ class ServerRollout:
                 held = {}
             self._ledger = (now, held)
         return {"rollout_weights": self.shared.region.resident_bytes, **self._ledger[1]}
+
+    def _call(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        """``fn`` through :meth:`_guard`, then, under torchrun, the ranks' agreement: a failure on any rank
+        raises on every rank (:class:`EngineLostError` naming the rank whose server was lost)."""
+        if self._group is None:
+            return self._guard(fn, *args, **kw)
+        failed: BaseException | None = None
+        try:
+            out = self._guard(fn, *args, **kw)
+        except (KeyboardInterrupt, SystemExit):
+            raise  # a second Ctrl-C stops this rank at once; torchrun ends the others
+        except Exception as e:
+            failed = e
+        lost = isinstance(failed, EngineLostError)
+        mine = None if failed is None else (lost, f"rank {self._rank}: {failed}")
+        every: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(every, mine, group=self._group)
+        if failed is not None:
+            if lost:
+                raise EngineLostError(mine[1]) from failed  # type: ignore[index]
+            raise failed
+        others = [m for m in every if m is not None]
+        if others:
+            peer_lost, msg = next((m for m in others if m[0]), others[0])
+            raise (EngineLostError if peer_lost else RuntimeError)(msg)
+        return out
 
     def _guard(self, fn: Any, *args: Any, **kw: Any) -> Any:
         try:
@@ -247,3 +289,14 @@ class ServerRollout:
         if not self.shared.region.closed:
             self.shared.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# What torchrun puts in a rank's environment: a server started from a rank is a process of one.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
+_LAUNCHER_VARS += ("ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _server_env() -> dict[str, str]:
+    return {
+        k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")
+    }

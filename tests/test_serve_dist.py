@@ -1,0 +1,124 @@
+"""``torchrun -m rlmem train engine=server``: a server per rank (each on its rank's device, sampling that
+rank's share from its shared rollout copy) trains as ``engine=local`` does at the same world size, step for
+step; one rank's server killed ends every rank with a checkpoint and a message naming the rank, and
+``resume=auto`` finishes the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+
+_COMMON = ["prompts_per_step=8", "group_size=4", "kl_coef=0.1", "micro_batch_size=4", "offload=true"]
+_COMMON += ["plot=false", "progress=false"]
+
+
+def _cmd(out: Path, device: str, *args: str) -> list[str]:
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return [*run, "-m", "rlmem", "train", f"device={device}", *_COMMON, *args, f"out_dir={out}"]
+
+
+def _rows(out: Path) -> list[dict]:
+    log = out / "log.jsonl"
+    lines = log.read_text().splitlines() if log.is_file() else []
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def _compare(tmp_path: Path, device: str) -> None:
+    for name, extra in (("server", ["engine=server"]), ("local", [])):
+        proc = subprocess.run(
+            _cmd(tmp_path / name, device, "steps=3", *extra), capture_output=True, text=True, timeout=900
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    server, local = _rows(tmp_path / "server"), _rows(tmp_path / "local")
+    keys = ("reward", "loss", "kl", "grad_norm", "tokens")
+    assert len(server) == len(local) == 3
+    assert [[r[k] for k in keys] for r in server] == [[r[k] for k in keys] for r in local]
+    # each rank had its own server, which logged beside the run
+    assert all((tmp_path / "server" / f"server-rank{r}.log").is_file() for r in (0, 1))
+    summary = json.loads((tmp_path / "server" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    # the summary (and the table) have each rank's memory, its server's cache among it; each rank its timeline
+    ranks = summary["phases_by_rank"]
+    assert len(ranks) == 2 and all(r["rollout"]["max_server_kv_cache"] > 0 for r in ranks)
+    assert all(r["train"]["max_server_kv_cache"] == 0 for r in ranks)
+    assert (tmp_path / "server" / "timeline-rank1.jsonl").is_file()
+
+
+def test_a_server_per_cpu_rank_trains_as_the_local_engine(tmp_path):
+    _compare(tmp_path, "cpu")
+
+
+@pytest.mark.gpus(2)
+def test_a_server_per_gpu_trains_as_the_local_engine(tmp_path):
+    _compare(tmp_path, "cuda")
+
+
+def _server_of_rank(rank: int) -> int | None:
+    """The pid of the ``rlmem serve`` started by the trainer of torchrun rank ``rank``, if running."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" not in argv or b"--exit-with" not in argv:
+            continue
+        trainer = argv[argv.index(b"--exit-with") + 1].decode()
+        try:
+            env = (Path("/proc") / trainer / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(d.name)
+    return None
+
+
+def test_one_ranks_server_killed_ends_every_rank_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        _cmd(out, "cpu", "steps=4", "max_new_tokens=64", "engine=server"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not _rows(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        victim = _server_of_rank(1)
+        assert victim is not None and proc.poll() is None, "the run ended before a step was logged"
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        text, _ = proc.communicate(timeout=300)
+        ended_in = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode != 0
+    # both ranks name the rank, the server's pid and its exit code (rank 0's server was fine)
+    named = f"rank 1: the rollout server (pid {victim}, exit code -9) was lost"
+    assert text.count(f"rlmem train: error: {named}") == 2, text[-4000:]  # one line from each rank
+    assert ended_in < 120, ended_in
+    done = len(_rows(out))
+    assert 1 <= done < 4 and (out / f"checkpoint-{done}").is_dir(), text[-3000:]
+    again = subprocess.run(
+        _cmd(out, "cpu", "steps=4", "max_new_tokens=64", "engine=server", "resume=auto"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
+    assert (out / "checkpoint-4").is_dir() and len(_rows(out)) == 4
