@@ -122,3 +122,41 @@ def test_one_ranks_server_killed_ends_every_rank_with_a_checkpoint(tmp_path):
     )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
     assert (out / "checkpoint-4").is_dir() and len(_rows(out)) == 4
+
+
+def test_ctrl_c_stops_every_rank_after_the_step_with_a_checkpoint_and_their_servers(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        _cmd(out, "cpu", "steps=6", "max_new_tokens=64", "engine=server"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not _rows(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        servers = [_server_of_rank(r) for r in (0, 1)]
+        assert None not in servers and proc.poll() is None, "the run ended before a step was logged"
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at a terminal does: every process of the group
+        text, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    done = len(_rows(out))
+    assert 1 <= done < 6 and (out / f"checkpoint-{done}").is_dir(), text[-3000:]
+    assert f"interrupted after {done} steps" in text
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in servers)  # no server left behind
+    again = subprocess.run(
+        _cmd(out, "cpu", "steps=6", "max_new_tokens=64", "engine=server", "resume=auto"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
+    assert (out / "checkpoint-6").is_dir() and len(_rows(out)) == 6
