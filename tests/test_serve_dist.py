@@ -160,3 +160,22 @@ def test_ctrl_c_stops_every_rank_after_the_step_with_a_checkpoint_and_their_serv
     )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
     assert (out / "checkpoint-6").is_dir() and len(_rows(out)) == 6
+
+
+def test_the_server_benchmark_runs_a_rank_per_device(tmp_path):
+    # rlmem bench grpo_colocated --engine server --gpus 2, as on two GPUs, here on two CPU ranks
+    from rlmem.benchmarks import grpo_colocated
+
+    out = tmp_path / "bench.json"
+    argv = ["--engine", "server", "--device", "cpu", "--model", "tiny", "--gpus", "2", "--prompts", "2"]
+    argv += ["--group", "2", "--max-new-tokens", "8", "--kv-big-gib", "0.01", "--steps", "2"]
+    argv += ["--parts", "server-big-offload,big-offload", "--json", str(out)]
+    assert grpo_colocated.main(argv) == 0
+    data = json.loads(out.read_text())
+    s = data["summary"]
+    assert s["world_size"] == 2 and s["fits_with_rlmem"] and s["step_vs_single_process"] > 0
+    assert len(s["rank_peaks_gib_server"]) == 2
+    assert all(r["server_rollout"] > 0 for r in s["rank_peaks_gib_server"])  # each rank's own server
+    # each GPU the one-GPU workload: 2 prompts x 2 samples per rank, 8 sequences in all
+    assert data["results"]["server-big-offload"]["steps"][-1]["tokens"] <= 8 * 8
+    assert data["results"]["big-offload"]["world_size"] == 2

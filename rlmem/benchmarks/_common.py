@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -101,12 +102,37 @@ def warm_steps(handle: Any, done: int, warm: int, cap: int = 128) -> int:
 
 
 def spawn_part(
-    module: str, part: str, argv: list[str], *, env: dict[str, str] | None = None
+    module: str,
+    part: str,
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    nproc: int = 1,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """Run ``python -m module --part part *argv`` in a process of its own (a fresh CUDA context) and return
-    the JSON object its last ``{`` line prints; ``{"error": ...}`` with its stderr's end if there is none."""
-    cmd = [sys.executable, "-m", module, "--part", part, *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    """Run ``python -m module --part part *argv`` in a process of its own (a fresh CUDA context), or under
+    torchrun in ``nproc`` (one per GPU), and return the JSON object its last ``{`` line prints (the lead
+    rank's); ``{"error": ...}`` with its stderr's end if there is none, or if it ran past ``timeout_s``
+    (then every process it started is killed)."""
+    run = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if nproc > 1:
+        run.append(f"--nproc-per-node={nproc}")
+    cmd = [*run, "-m", module, "--part", part, *argv]
+    popen = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,  # its own group: a part that runs over its time goes whole
+    )
+    try:
+        out, err = popen.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        out, err = popen.communicate()
+        return {"error": f"ran past {timeout_s:g} s: {err[-3000:]}"}
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, out, err)
     sys.stderr.write(proc.stderr[-4000:])
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
