@@ -10,10 +10,14 @@ bytes per parameter) go to host memory; ``pm.prefetch()`` brings them back while
 With a separate rollout engine (anything with ``sleep()`` / ``wake()``, e.g. vLLM), register it with
 ``pm.add_engine(engine)`` and offload the parameters too.
 
-Run (one GPU; under ``torchrun --nproc-per-node N`` for data parallelism)::
+Run (one GPU; under ``torchrun --nproc-per-node N`` for data parallelism, ``--tp`` for tensor parallelism)::
 
     pip install -e ".[megatron]"
     python examples/megatron_colocated.py --steps 3
+    torchrun --nproc-per-node 2 examples/megatron_colocated.py --tp 2
+
+Pipeline stages take Megatron's schedule (``get_forward_backward_func``) around the same ``pm.train()``;
+``tests/megatron_parallel_rank.py`` runs two stages under ``TrainState``.
 """
 
 from __future__ import annotations
@@ -66,13 +70,19 @@ def build(args: argparse.Namespace):
 
 
 @torch.no_grad()
-def sample(model, prompts: torch.Tensor, new_tokens: int, temperature: float) -> torch.Tensor:
-    """Sampling by full recompute (no KV cache): enough for a small example."""
+def sample(
+    model, prompts: torch.Tensor, new_tokens: int, temperature: float, g: torch.Generator
+) -> torch.Tensor:
+    """Sampling by full recompute (no KV cache): enough for a small example. Under tensor parallelism each
+    rank holds a slice of the vocabulary's logits: they are gathered, and the ranks of a tensor-parallel
+    group draw with the same generator, so they sample the same tokens."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
     seqs = prompts
     for _ in range(new_tokens):
         pos = torch.arange(seqs.shape[1], device=seqs.device).expand_as(seqs)
-        logits = model(seqs, pos, None)[:, -1].float()
-        nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+        logits = gather_from_tensor_model_parallel_region(model(seqs, pos, None)[:, -1].float())
+        nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)
         seqs = torch.cat([seqs, nxt], 1)
     return seqs
 
@@ -103,7 +113,10 @@ def main() -> None:
     held = state_bytes(ddp, opt)
     pm = rlmem.PhaseManager(ddp, opt, rlmem.OffloadConfig(offload_during_rollout=True, params="keep"))
 
-    g = torch.Generator(device="cuda").manual_seed(args.seed + rank)
+    from megatron.core import parallel_state as ps
+
+    # Prompts and samples by data-parallel rank: the ranks of one tensor-parallel group see the same ones.
+    g = torch.Generator(device="cuda").manual_seed(args.seed + ps.get_data_parallel_rank())
     for step in range(args.steps):
         prompts = torch.randint(0, args.vocab, (args.prompts, args.prompt_len), device="cuda", generator=g)
         prompts = prompts.repeat_interleave(args.group, 0)
@@ -111,7 +124,7 @@ def main() -> None:
         before = torch.cuda.mem_get_info()[0]
         with pm.rollout():
             freed = torch.cuda.mem_get_info()[0] - before
-            seqs = sample(ddp, prompts, args.new_tokens, temperature=1.0)
+            seqs = sample(ddp, prompts, args.new_tokens, temperature=1.0, g=g)
         pm.prefetch()  # the state comes back while the rewards are computed
         completions = seqs[:, args.prompt_len :]
         reward = (completions == args.target_token).float().mean(1)

@@ -8,7 +8,10 @@ inner ``torch.optim.AdamW`` over fp32 main-parameter clones); the real one runs 
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from _helpers import run_fresh
@@ -327,23 +330,33 @@ def test_megatron_trainer_bit_identical_cuda(kind, optimizer):
     assert min(out["freed"]) >= 0.99 * out["adopted"] - (64 << 20)  # give or take the allocator's cache
 
 
-@pytest.mark.cuda
-def test_example_runs_cuda():
-    import os
-    import subprocess
-    import sys
-
+def _example(*launcher: str) -> subprocess.CompletedProcess:
     from _helpers import ROOT
 
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PYTHONPATH": path, "MASTER_PORT": str(_free_port())}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "megatron_colocated.py"), "--steps", "2"],
+    return subprocess.run(
+        [*launcher, str(ROOT / "examples" / "megatron_colocated.py"), "--steps", "2"]
+        + (["--tp", "2"] if len(launcher) > 1 else []),
         capture_output=True,
         text=True,
         timeout=600,
         env=env,
     )
+
+
+@pytest.mark.gpus(2)
+def test_example_runs_tensor_parallel_on_two_gpus():
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = _example(*run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("step ")]
+    assert len(lines) == 2 and "rollout freed" in lines[0]
+
+
+@pytest.mark.cuda
+def test_example_runs_cuda():
+    proc = _example(sys.executable)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("step ")]
     assert len(lines) == 2 and "rollout freed" in lines[0]
