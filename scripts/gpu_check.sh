@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|serve|train-real|comm|comm-patch|comm-debug|grpo-dist] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|serve|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -222,6 +222,13 @@ if [[ $what == grpo-dist ]]; then
   done
   # Both runs collected into grpo_dist-<machine>.json (GRPO_DIST_TESTS=0 above skips the tests)
   python3 scripts/grpo_dist_json.py "$OUT" "$name" 2>&1 | tee "$OUT/grpo_dist_json.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == two-gpu ]]; then
+  # The two-GPU tests: a server per rank, Megatron-Core with TP / PP / DP (megatron-core carried in .whl),
+  # the Megatron example with --tp 2, FSDP2 under torchrun (args go to pytest, e.g. -k megatron).
+  python3 -m pytest -q -rs -m gpus tests/test_serve_dist.py tests/test_megatron_parallel.py \
+    tests/test_megatron.py tests/test_grpo_dist.py "$@" 2>&1 | tee "$OUT/tests_two_gpu.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 exit $status
