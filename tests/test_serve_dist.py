@@ -179,3 +179,27 @@ def test_the_server_benchmark_runs_a_rank_per_device(tmp_path):
     # each GPU the one-GPU workload: 2 prompts x 2 samples per rank, 8 sequences in all
     assert data["results"]["server-big-offload"]["steps"][-1]["tokens"] <= 8 * 8
     assert data["results"]["big-offload"]["world_size"] == 2
+
+
+@pytest.mark.gpus(2)
+def test_a_server_per_gpu_with_the_trainers_communicators_suspended(tmp_path):
+    # While each rank's server samples, the trainer's NCCL communicators give their memory back; training
+    # is what it is with them kept. An NCCL that cannot suspend is refused before anything is built.
+    from rlmem.comm import _nccl
+
+    args = ["steps=2", "engine=server", "rollout_dtype=bf16", "save_every=0"]
+    if not _nccl.library().has_suspend:
+        proc = subprocess.run(
+            _cmd(tmp_path / "refused", "cuda", *args, "comms=suspend"), capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode != 0 and "comms='suspend' needs an NCCL that can suspend" in proc.stderr
+        return
+    for comms in ("keep", "suspend"):
+        proc = subprocess.run(
+            _cmd(tmp_path / comms, "cuda", *args, f"comms={comms}"), capture_output=True, text=True, timeout=900
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    keep, susp = _rows(tmp_path / "keep"), _rows(tmp_path / "suspend")
+    assert [(r["reward"], r["loss"]) for r in keep] == [(r["reward"], r["loss"]) for r in susp]
+    assert all(len(r["comm_freed_bytes_by_rank"]) == 2 for r in susp)
+    assert all(b > 0 for r in susp for b in r["comm_freed_bytes_by_rank"])

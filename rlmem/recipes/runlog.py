@@ -112,9 +112,18 @@ class RunLog:
             "kv_batch": engine.batch_size,
             "graph_captures": engine.captures,  # so far: the same after step 0 unless the weights moved
             "kv_bytes": engine.kv_bytes,
-            **(comm_figures(switches) if switches is not None and cfg.comms == "suspend" else {}),
+            **(self._comm(switches) if switches is not None and cfg.comms == "suspend" else {}),
             **({"overlapped": switches.overlapped} if switches is not None and cfg.overlap_offload else {}),
         }
+
+    def _comm(self, switches: Any) -> dict[str, Any]:
+        """The lead's communicator figures, and the bytes each rank's suspend freed (``..._by_rank``)."""
+        figs = comm_figures(switches)
+        if self.rt.world > 1:
+            mine = torch.zeros(self.rt.world, dtype=torch.float64)
+            mine[self.rt.rank] = float(figs.get("comm_freed_bytes") or 0)
+            figs["comm_freed_bytes_by_rank"] = [int(x) for x in self.rt.all_reduce(mine).tolist()]
+        return figs
 
     def step(self, rec: dict[str, Any]) -> None:
         """Keep, write and show one step's record."""
