@@ -189,15 +189,13 @@ def test_a_server_per_gpu_with_the_trainers_communicators_suspended(tmp_path):
 
     args = ["steps=2", "engine=server", "rollout_dtype=bf16", "save_every=0"]
     if not _nccl.library().has_suspend:
-        proc = subprocess.run(
-            _cmd(tmp_path / "refused", "cuda", *args, "comms=suspend"), capture_output=True, text=True, timeout=600
-        )
+        cmd = _cmd(tmp_path / "refused", "cuda", *args, "comms=suspend")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode != 0 and "comms='suspend' needs an NCCL that can suspend" in proc.stderr
         return
     for comms in ("keep", "suspend"):
-        proc = subprocess.run(
-            _cmd(tmp_path / comms, "cuda", *args, f"comms={comms}"), capture_output=True, text=True, timeout=900
-        )
+        cmd = _cmd(tmp_path / comms, "cuda", *args, f"comms={comms}")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     keep, susp = _rows(tmp_path / "keep"), _rows(tmp_path / "suspend")
     assert [(r["reward"], r["loss"]) for r in keep] == [(r["reward"], r["loss"]) for r in susp]
