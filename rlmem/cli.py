@@ -17,6 +17,7 @@ _BENCHES = (
     "plan_accuracy",
     "vmm_calls",
     "megatron",
+    "megatron_parallel",
     "rollout",
     "numa",
     "real_model",

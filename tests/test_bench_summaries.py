@@ -74,12 +74,15 @@ def test_grpo_colocated_parts_make_valid_recipe_configs(tmp_path):
 
     args = argparse.Namespace(
         model="qwen2-2.7b-mha", device="cuda:0", steps=2, prompts=29, group=16, max_new_tokens=512,
-        micro_batch=2, kv_big_gib=52.0, kv_fit_gib=20.0, rollout_dtype=None,
+        micro_batch=2, kv_big_gib=52.0, kv_fit_gib=20.0, rollout_dtype=None, gpus=1,
     )  # fmt: skip
     for part in grpo_colocated.PARTS:
         cfg = grpo_colocated._config(args, part, str(tmp_path))
         assert cfg.device == "cuda" and cfg.offload == (not part.endswith("-nooffload"))
         assert cfg.overlap_offload == (part == "big-overlap")
+        assert cfg.prompts_per_step == 29
+    args.gpus = 2  # each GPU the one-GPU workload
+    assert grpo_colocated._config(args, "big-offload", str(tmp_path)).prompts_per_step == 58
 
 
 def test_grpo_colocated_summary_says_what_the_overlap_leaves_exposed():

@@ -1,65 +1,61 @@
-"""Megatron-Core on two ranks under ``rlmem.TrainState``: tensor parallel (TP=2), two pipeline stages (PP=2)
-and data parallel (DP=2), each rank's DDP buffers, main parameters and optimizer states leaving the device
-every step and coming back; its losses and weights bit-identical to a trainer that never offloads, nothing
-of the adopted state left resident while away, the weights and main parameters readable meanwhile; under
-TP, activations offloaded with Megatron's names leave the gradients bit-equal. On two Gloo ranks through the
-host backend (``tests/megatron_parallel_rank.py`` says what is redirected there), and on two GPUs with
-Megatron's distributed optimizer, and sequence parallelism under TP."""
+"""``rlmem bench megatron_parallel``: Megatron-Core on two ranks under ``rlmem.TrainState`` with tensor
+parallelism (TP=2), two pipeline stages (PP=2) and data parallelism (DP=2): each rank's DDP buffers, main
+parameters and optimizer states leave the device every step and come back, and its losses, weights and main
+parameters are bit-identical to a trainer that never offloads; nothing of the state stays resident while
+away, the weights and main parameters read meanwhile are the same; under TP, offloading the activations of
+every Megatron name leaves the gradients bit-equal. Two Gloo ranks (the host backend) in CI; on two GPUs
+with Megatron's distributed optimizer and sequence parallelism (``scripts/gpu_check.sh two-gpu``)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from _helpers import ROOT
 
 pytest.importorskip("megatron.core")
 
-_RANK = Path(__file__).with_name("megatron_parallel_rank.py")
+from rlmem.benchmarks import megatron_parallel
 
 
-def _run(tmp_path: Path, layout: str, *extra: str) -> list[dict]:
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    proc = subprocess.run(
-        [*run, str(_RANK), layout, str(tmp_path), *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def _run(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "mp.json"
+    assert megatron_parallel.main([*argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
 
 
-def _check(ranks: list[dict], layout: str) -> None:
-    sizes = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}[layout]
-    for r in ranks:
-        assert (r["tp"], r["pp"], r["dp"]) == sizes
-        assert r["losses"] == r["ref"] and r["same_params"] and r["same_main"], r
-        for c in r["checks"]:
-            assert c["resident"] == 0 and c["bytes"] > 0  # every adopted byte away: freed fraction 1.0
-            assert c["params_read"] and c["main_read"]
-    assert ranks[0]["losses"] == ranks[1]["losses"]  # one loss per step, every rank the same
-    if layout == "pp2":  # each rank its own stage of the model
-        assert [r["stage"] for r in ranks] == ["first", "last"]
-        assert ranks[0]["n_params"] != ranks[1]["n_params"]
-    if layout == "tp2":
-        assert all(r["activations_offloaded_grads_equal"] for r in ranks)
-        assert all(r["activations_offloaded_bytes"] > 0 for r in ranks)
+def _check(data: dict) -> None:
+    for layout, r in data["results"].items():
+        ranks = r["ranks"]
+        assert [x["rank"] for x in ranks] == [0, 1]
+        for x in ranks:
+            assert x["losses"] == x["ref"] and x["same_params"] and x["same_main"], (layout, x)
+            assert len(x["cycles"]) == 3
+            for c in x["cycles"]:
+                assert c["params_read"] and c["main_read"] and c["moved_bytes"] > 0
+        assert ranks[0]["losses"] == ranks[1]["losses"]  # one loss per step on every rank
+    pp = data["results"]["pp2"]["ranks"]
+    assert [x["stage"] for x in pp] == ["first", "last"] and pp[0]["n_params"] != pp[1]["n_params"]
+    assert data["summary"]["act_grads_bit_equal"] is True
+    # each rank holds its shard of the tensor-parallel model: less than a whole model's
+    whole = data["results"]["dp2"]["ranks"][0]["n_params"]
+    assert all(x["n_params"] < whole for x in data["results"]["tp2"]["ranks"])
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
-def test_two_cpu_ranks(tmp_path, layout):
-    _check(_run(tmp_path, layout), layout)
+def test_two_cpu_ranks(tmp_path):
+    data = _run(tmp_path, "--device", "cpu")
+    s = data["summary"]
+    assert s["tp2_bit_identical"] and s["pp2_bit_identical"] and s["dp2_bit_identical"]
+    assert s["freed_fraction_min"] == 1.0  # nothing of the adopted state resident while away
+    _check(data)
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("layout,extra", [("tp2", ()), ("tp2", ("--sp",)), ("pp2", ()), ("dp2", ())])
-def test_two_gpus(tmp_path, layout, extra):
-    ranks = _run(tmp_path, layout, "--device", "cuda", *extra)
-    _check(ranks, layout)
-    assert all(r["sequence_parallel"] == bool(extra) for r in ranks)
+def test_two_gpus(tmp_path):
+    data = _run(tmp_path, "--device", "cuda", "--shape", "2,256,4,512,64,2")
+    s = data["summary"]
+    assert s["tp2_bit_identical"] and s["tp2_sp_bit_identical"] and s["pp2_bit_identical"]
+    assert s["dp2_distopt_bit_identical"]
+    assert s["freed_fraction_min"] >= 0.99 - 64 * 2**20 / min(
+        x["held_bytes"] for r in data["results"].values() for x in r["ranks"]
+    )
+    _check(data)
