@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|serve|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|serve|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -229,6 +229,17 @@ if [[ $what == two-gpu ]]; then
   # the Megatron example with --tp 2, FSDP2 under torchrun (args go to pytest, e.g. -k megatron).
   python3 -m pytest -q -rs -m gpus tests/test_serve_dist.py tests/test_megatron_parallel.py \
     tests/test_megatron.py tests/test_grpo_dist.py "$@" 2>&1 | tee "$OUT/tests_two_gpu.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == bench-two-gpu ]]; then
+  # Megatron on two GPUs (TP, TP+SP, PP, DP), then the 2.7B example with a server per GPU against one process
+  # per GPU (args go to rlmem bench grpo_colocated, e.g. --parts server-big-offload,big-offload --merge).
+  python3 -m rlmem bench megatron_parallel --machine "$name" --json "$OUT/megatron_parallel-$name.json" \
+    2>&1 | tee "$OUT/bench_megatron_parallel.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  [[ -f bench/results/grpo_server-$name.json ]] && cp "bench/results/grpo_server-$name.json" "$OUT/"
+  python3 -m rlmem bench grpo_colocated --engine server --gpus 2 --rollout-dtype bf16 --machine "$name" \
+    --json "$OUT/grpo_server-$name.json" "$@" 2>&1 | tee "$OUT/bench_grpo_server.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 exit $status
