@@ -84,67 +84,67 @@ def _server_of_rank(rank: int) -> int | None:
     return None
 
 
-def test_one_ranks_server_killed_ends_every_rank_with_a_checkpoint(tmp_path):
-    out = tmp_path / "run"
+def _interrupted(out: Path, steps: int, hit) -> tuple[subprocess.Popen, str, float]:
+    """A run of ``steps`` with a server per rank; once it has logged a step, ``hit()`` (a fault) is done to
+    it. Returns the launcher, what it printed, and how long it took to end after ``hit``."""
+    argv = _cmd(out, "cpu", f"steps={steps}", "max_new_tokens=64", "engine=server")
     proc = subprocess.Popen(
-        _cmd(out, "cpu", "steps=4", "max_new_tokens=64", "engine=server"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 600
         while not _rows(out) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        victim = _server_of_rank(1)
-        assert victim is not None and proc.poll() is None, "the run ended before a step was logged"
-        os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
+        assert proc.poll() is None, "the run ended before a step was logged"
+        hit(proc)
+        t = time.monotonic()
         text, _ = proc.communicate(timeout=300)
-        ended_in = time.monotonic() - killed
+        return proc, text, time.monotonic() - t
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
-    assert proc.returncode != 0
-    # both ranks name the rank, the server's pid and its exit code (rank 0's server was fine)
-    named = f"rank 1: the rollout server (pid {victim}, exit code -9) was lost"
-    assert text.count(f"rlmem train: error: {named}") == 2, text[-4000:]  # one line from each rank
-    assert ended_in < 120, ended_in
-    done = len(_rows(out))
-    assert 1 <= done < 4 and (out / f"checkpoint-{done}").is_dir(), text[-3000:]
+
+
+def _resumed(out: Path, steps: int) -> None:
+    """``resume=auto`` finishes the run from the checkpoint the interrupted one left."""
     again = subprocess.run(
-        _cmd(out, "cpu", "steps=4", "max_new_tokens=64", "engine=server", "resume=auto"),
+        _cmd(out, "cpu", f"steps={steps}", "max_new_tokens=64", "engine=server", "resume=auto"),
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
-    assert (out / "checkpoint-4").is_dir() and len(_rows(out)) == 4
+    assert (out / f"checkpoint-{steps}").is_dir() and len(_rows(out)) == steps
+
+
+def test_one_ranks_server_killed_ends_every_rank_with_a_checkpoint(tmp_path):
+    out, victim = tmp_path / "run", []
+
+    def kill(proc):
+        victim.append(_server_of_rank(1))
+        os.kill(victim[0], signal.SIGKILL)
+
+    proc, text, ended_in = _interrupted(out, 4, kill)
+    assert proc.returncode != 0
+    # both ranks name the rank, the server's pid and its exit code (rank 0's server was fine)
+    named = f"rank 1: the rollout server (pid {victim[0]}, exit code -9) was lost"
+    assert text.count(f"rlmem train: error: {named}") == 2, text[-4000:]  # one line from each rank
+    assert ended_in < 120, ended_in
+    done = len(_rows(out))
+    assert 1 <= done < 4 and (out / f"checkpoint-{done}").is_dir(), text[-3000:]
+    _resumed(out, 4)
 
 
 def test_ctrl_c_stops_every_rank_after_the_step_with_a_checkpoint_and_their_servers(tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.Popen(
-        _cmd(out, "cpu", "steps=6", "max_new_tokens=64", "engine=server"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while not _rows(out) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        servers = [_server_of_rank(r) for r in (0, 1)]
-        assert None not in servers and proc.poll() is None, "the run ended before a step was logged"
+    out, servers = tmp_path / "run", []
+
+    def ctrl_c(proc):
+        servers.extend(_server_of_rank(r) for r in (0, 1))
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at a terminal does: every process of the group
-        text, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+
+    _, text, _ = _interrupted(out, 6, ctrl_c)
+    assert None not in servers
     done = len(_rows(out))
     assert 1 <= done < 6 and (out / f"checkpoint-{done}").is_dir(), text[-3000:]
     assert f"interrupted after {done} steps" in text
@@ -152,14 +152,7 @@ def test_ctrl_c_stops_every_rank_after_the_step_with_a_checkpoint_and_their_serv
     while any(Path(f"/proc/{pid}").exists() for pid in servers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in servers)  # no server left behind
-    again = subprocess.run(
-        _cmd(out, "cpu", "steps=6", "max_new_tokens=64", "engine=server", "resume=auto"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
-    assert (out / "checkpoint-6").is_dir() and len(_rows(out)) == 6
+    _resumed(out, 6)
 
 
 def test_the_server_benchmark_runs_a_rank_per_device(tmp_path):

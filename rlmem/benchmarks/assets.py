@@ -81,9 +81,10 @@ def tokenizer_and_data(d: str | Path, rows: int = 512) -> tuple[Path, Path]:
     return d / "tokenizer", d / "arith.jsonl"
 
 
-def model_dir(family: str, d: str | Path, tokenizer: str | Path, seed: int = 0) -> Path:
+def model_dir(family: str, d: str | Path, tokenizer: str | Path, seed: int = 0, **sizes: Any) -> Path:
     """A randomly initialised ``family`` model saved with ``save_pretrained`` in ``d``, the tokenizer beside
-    it (its vocabulary size, and its pad and EOS ids in the config).
+    it (its vocabulary size, and its pad and EOS ids in the config); ``sizes`` override the family's
+    (``hidden_size=128, num_attention_heads=2``: a head dimension an engine's kernels take).
 
     Raises:
         ValueError: an unknown family.
@@ -93,7 +94,8 @@ def model_dir(family: str, d: str | Path, tokenizer: str | Path, seed: int = 0) 
 
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
-    cfg_cls, model_cls, sizes = FAMILIES[family]
+    cfg_cls, model_cls, base = FAMILIES[family]
+    sizes = {**base, **sizes}
     tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
     ids = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     config = getattr(transformers, cfg_cls)(vocab_size=len(tok), **ids, **sizes)
