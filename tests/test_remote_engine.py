@@ -32,6 +32,8 @@ class StandIn:
         self.requests: list[tuple[str, str, dict, object]] = []
         self.kv: Region | None = None
         self.free_memory = True  # False: never gives its memory back (a stuck server)
+        self.released: set[str] = set()  # vLLM's: the tags asleep
+        self.abort_next = False  # vLLM's: the next completions come back aborted
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -80,22 +82,31 @@ class StandIn:
         f = self.flavor
         gen = [f"{p}!" for p in (body or {}).get({"sglang": "text", "rlmem": "prompts"}.get(f, "prompt"), [])]
         if f == "vllm":
+            # As vLLM 0.32's dev endpoints (vllm/entrypoints/serve/dev/sleep/api_router.py): it starts awake,
+            # sleeps by tag, and is sleeping while any tag is released.
             if (method, path) == ("POST", "/sleep"):
                 if query.get("level") not in (["1"], ["2"]):
                     return 400, {"error": "level must be 1 or 2"}
+                self.released = {"weights", "kv_cache"}
                 self._let_go()
-                return 200, {}
+                return 200, {"status": "sleeping", "level": int(query["level"][0])}
             if (method, path) == ("POST", "/wake_up"):
+                self.released -= set(query.get("tags") or self.released)
                 self._take()
-                return 200, {}
+                return 200, {"status": "sleeping" if self.released else "awake"}
             if (method, path) == ("GET", "/is_sleeping"):
-                return 200, {"is_sleeping": self.kv is None}
+                return 200, {"is_sleeping": bool(self.released)}
             if (method, path) == ("GET", "/v1/models"):
                 return 200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
             if (method, path) == ("POST", "/v1/completions"):
                 if body.get("model") != "tiny":
                     return 404, {"error": f"model {body.get('model')!r} not found"}
-                choices = [{"index": i, "text": t} for i, t in enumerate(gen)]
+                # a sleep with mode="abort" (vLLM's default) ends what runs with finish_reason "abort"
+                reason = "abort" if self.abort_next else "length"
+                self.abort_next = False
+                choices = [{"index": i, "text": t[:1], "finish_reason": reason} for i, t in enumerate(gen)]
+                if reason == "length":
+                    choices = [{**c, "text": t} for c, t in zip(choices, gen, strict=True)]
                 return 200, {"object": "text_completion", "choices": choices[::-1]}
         if f == "sglang":
             if (method, path) == ("POST", "/release_memory_occupation"):
@@ -161,15 +172,16 @@ def test_each_flavor_speaks_its_servers_endpoints(flavor, standin):
         "vllm": [
             ("POST", "/wake_up", {"tags": ["weights"]}, None),
             ("POST", "/wake_up", {"tags": ["kv_cache"]}, None),
+            ("GET", "/is_sleeping", {}, None),  # a sleeping vLLM would queue the request, not refuse it
             (
                 "POST",
                 "/v1/completions",
                 {},
-                {"prompt": ["a", "b", "c"], "max_tokens": 4, "temperature": 0.0, "model": "tiny"},
+                {"max_tokens": 4, "temperature": 0.0, "prompt": ["a", "b", "c"], "model": "tiny"},
             ),
-            ("POST", "/sleep", {"level": ["2"]}, None),
+            ("POST", "/sleep", {"level": ["2"], "mode": ["wait"]}, None),  # not "abort": they finish
             ("POST", "/wake_up", {}, None),
-            ("POST", "/sleep", {"level": ["1"]}, None),
+            ("POST", "/sleep", {"level": ["1"], "mode": ["wait"]}, None),
         ],
         "sglang": [
             ("POST", "/resume_memory_occupation", {}, {"tags": ["weights"]}),
@@ -208,6 +220,9 @@ def test_errors_are_clear(standin):
         eng.wake(["cuda_graph_x"])
     with pytest.raises(RemoteError, match=r"404.*not found"):
         RemoteEngine(srv.url, "vllm", token="s3cret", model="other").generate(["x"])
+    srv.abort_next = True  # cut short by the server: raised, never returned as completions
+    with pytest.raises(RemoteError, match="2 of 2 completions came back aborted"):
+        eng.generate(["xy", "zw"])
     # A server that never gives its memory back: the release does not count, and says so.
     eng.wake()
     srv.free_memory = False

@@ -7,21 +7,26 @@ package index, Python < 3.11)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-pytest.importorskip("httpx")
+httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
-from _vllm_server import Server, venv
+from _vllm_server import Server, venv  # noqa: E402
 
-from rlmem.benchmarks.assets import model_dir, tokenizer_and_data
-from rlmem.colocate.remote import RemoteEngine
+from rlmem.benchmarks.assets import model_dir, tokenizer_and_data  # noqa: E402
+from rlmem.colocate import RemoteError  # noqa: E402
+from rlmem.colocate.remote import RemoteEngine  # noqa: E402
 
 PROMPTS = ["What is 1+2? Put the answer in \\boxed{}.", "What is 40+2?"]
 
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
+    """(server, engine, tokenizer)"""
     python, why = venv()
     if python is None:
         pytest.skip(why)
@@ -32,16 +37,18 @@ def vllm(tmp_path_factory):
     model = model_dir("llama", d / "llama", tok, **heads)
     server = Server(python, model, d / "vllm.log")
     engine = RemoteEngine(server.url, flavor="vllm", timeout=60.0)
+    from transformers import AutoTokenizer
+
     try:
-        yield server, engine
+        yield server, engine, AutoTokenizer.from_pretrained(str(model))
     finally:
         engine.close()
         server.close()
 
 
 def test_the_engine_protocol_against_the_real_server(vllm):
-    server, engine = vllm
-    assert engine.health()
+    server, engine, _ = vllm
+    assert engine.health() and engine.health_info() == {"status": "ok"}  # 200, no body
     first = engine.generate(PROMPTS, max_new_tokens=8)
     assert len(first) == 2 and all(isinstance(t, str) for t in first), server.tail()
     assert engine.is_sleeping() is False
@@ -54,3 +61,69 @@ def test_the_engine_protocol_against_the_real_server(vllm):
     engine.flush_cache()  # idle: the server flushes
     # greedy, and (on the CPU) the weights never left: the same completions as before the sleep
     assert engine.generate(PROMPTS, max_new_tokens=8) == first
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a thread; (thread, box): box["out"] or box["error"], and box["t"] when it ended."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except Exception as e:
+            box["error"] = e
+        box["t"] = time.monotonic()
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th, box
+
+
+LONG = dict(max_new_tokens=200, ignore_eos=True)  # vLLM's: no early end, 200 tokens each
+
+
+def _long(engine) -> tuple[list, float]:
+    """The long generation's completions, and how long it took: the fault comes a third of that into it."""
+    t0 = time.monotonic()
+    out = engine.generate(PROMPTS, **LONG)
+    return out, time.monotonic() - t0
+
+
+def test_a_sleep_lets_the_generations_in_flight_finish(vllm):
+    # vLLM's /sleep aborts what runs unless told otherwise: the completions came back cut short, as text
+    _, engine, _ = vllm
+    full, took = _long(engine)
+    th, box = _in_thread(lambda: engine.generate(PROMPTS, **LONG))
+    time.sleep(took / 3)
+    sent = time.monotonic()
+    engine.sleep(1)
+    slept = time.monotonic()
+    th.join(120)
+    engine.wake()
+    assert "error" not in box, box.get("error")
+    assert sent < box["t"] <= slept + 0.5  # in flight when the sleep came, done before it returned
+    assert box["out"] == full
+
+
+def test_generate_on_a_sleeping_server_raises_at_once(vllm):
+    # vLLM queues it until a wake (past our time-out, and then it runs)
+    _, engine, _ = vllm
+    engine.sleep(1)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RemoteError, match="is asleep: wake it"):
+            engine.generate(PROMPTS, max_new_tokens=4)
+        assert time.monotonic() - t0 < 5
+    finally:
+        engine.wake()
+    assert engine.generate(PROMPTS, max_new_tokens=4)
+
+
+def test_token_id_prompts_and_samples_grouped_per_prompt(vllm):
+    _, engine, tok = vllm
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    got = engine.generate(ids, max_new_tokens=8)
+    assert all(isinstance(t, int) for c in got for t in c) and all(0 < len(c) <= 8 for c in got)
+    assert [tok.decode(c) for c in got] == engine.generate(PROMPTS, max_new_tokens=8)
+    groups = engine.generate(PROMPTS, max_new_tokens=4, temperature=1.0, n=3, seed=1)
+    assert len(groups) == 2 and all(len(g) == 3 and all(isinstance(t, str) for t in g) for g in groups)

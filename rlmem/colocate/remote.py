@@ -122,7 +122,10 @@ class RemoteEngine:
             return
         free0 = self._free()
         if self.flavor == "vllm":
-            self._call("POST", "/sleep", params={"level": level})
+            # vLLM's /sleep aborts the requests in flight unless told otherwise (mode="abort" by default,
+            # vllm/entrypoints/serve/dev/sleep/api_router.py, 0.32): they would come back cut short. "wait"
+            # lets them finish first.
+            self._call("POST", "/sleep", params={"level": level, "mode": "wait"})
         elif self.flavor == "sglang":
             self._call("POST", "/release_memory_occupation", json={"tags": None})
         else:
@@ -162,33 +165,53 @@ class RemoteEngine:
         **sampling: Any,
     ) -> list[str] | list[list[int]]:
         """Completions of ``prompts``, in order (greedy by default): text for text prompts; token ids for
-        token-id prompts (the rlmem flavor), as :meth:`HFSampler.generate` returns them.
+        token-id prompts (the rlmem and vLLM flavors), as :meth:`HFSampler.generate` returns them. vLLM:
+        with ``n`` > 1 a list of ``n`` per prompt.
 
         Raises:
-            ValueError: prompts neither all text nor all token ids. RemoteError: the server refused.
+            ValueError: prompts neither all text nor all token ids. RemoteError: the server refused, is
+            asleep (vLLM), or cut a completion short (vLLM's ``finish_reason: "abort"``).
         """
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list of str, or of token-id lists")
-        if prompts and all(isinstance(p, (list, tuple)) for p in prompts):
+        ids = bool(prompts) and all(isinstance(p, (list, tuple)) for p in prompts)
+        if not ids and not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be a list of str, or of token-id lists")
+        if self.flavor == "vllm":
+            return self._vllm_generate(prompts, ids, max_new_tokens, temperature, sampling)
+        if ids:
             if self.flavor != "rlmem":
-                raise ValueError(f"token-id prompts need flavor='rlmem' (this one is {self.flavor!r})")
+                raise ValueError(f"token-id prompts need flavor 'rlmem' or 'vllm', not {self.flavor!r}")
             body = {"input_ids": [[int(t) for t in p] for p in prompts], "max_new_tokens": max_new_tokens}
             out = self._call("POST", "/generate", json={**body, "temperature": temperature, **sampling})
             return [list(o) for o in out["output_ids"]]
-        if not all(isinstance(p, str) for p in prompts):
-            raise ValueError("prompts must be a list of str, or of token-id lists")
-        if self.flavor == "vllm":
-            body = {"prompt": list(prompts), "max_tokens": max_new_tokens, "temperature": temperature}
-            body.update(sampling, model=self.model or self._first_model())
-            out = self._call("POST", "/v1/completions", json=body)
-            choices = sorted(out["choices"], key=lambda c: c["index"])
-            return [c["text"] for c in choices]
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, **sampling}
         if self.flavor == "sglang":
             out = self._call("POST", "/generate", json={"text": list(prompts), "sampling_params": params})
             return [o["text"] for o in out]
         out = self._call("POST", "/generate", json={"prompts": list(prompts), **params})
         return list(out["completions"])
+
+    def _vllm_generate(
+        self, prompts: Sequence[Any], ids: bool, max_new_tokens: int, temperature: float, sampling: dict
+    ) -> Any:
+        """``/v1/completions``: token-id prompts give token ids back; ``n`` samples grouped per prompt."""
+        if self.is_sleeping():  # vLLM would queue the request until a wake, past any time-out of ours
+            raise RemoteError(f"vllm server at {self.url} is asleep: wake it before generating")
+        body = {"max_tokens": max_new_tokens, "temperature": temperature, **sampling}
+        body["prompt"] = [[int(t) for t in p] for p in prompts] if ids else list(prompts)
+        body.update(model=self.model or self._first_model(), **({"return_token_ids": True} if ids else {}))
+        out = self._call("POST", "/v1/completions", json=body)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        cut = sum(c.get("finish_reason") == "abort" for c in choices)
+        if cut:  # aborted on the server's side (a sleep or pause that aborts): cut short, never a completion
+            raise RemoteError(
+                f"vllm server at {self.url}: {cut} of {len(choices)} completions came back aborted "
+                "(finish_reason 'abort'); a sleep or pause of the server cut them short"
+            )
+        outs = [list(c["token_ids"]) if ids else c["text"] for c in choices]
+        n = int(sampling.get("n", 1))
+        return outs if n == 1 else [outs[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def update_weights_from_tensor(self, named: Any) -> dict[str, Any]:
         """Send ``named`` tensors (a mapping or ``(name, tensor)`` pairs) by handle (CUDA IPC, or shared
@@ -218,9 +241,21 @@ class RemoteEngine:
         return bool(self._call("GET", "/health")["sleeping"])
 
     def flush_cache(self) -> None:
-        """Drop the server's prefix cache (SGLang ``/flush_cache``, vLLM ``/reset_prefix_cache``)."""
+        """Drop the server's prefix cache (SGLang ``/flush_cache``, vLLM ``/reset_prefix_cache``).
+
+        Raises:
+            RemoteError: the server said it did not flush, through the time-out (vLLM answers
+                ``{"success": false}`` while blocks are held, and asks callers to retry).
+        """
         path = {"sglang": "/flush_cache", "vllm": "/reset_prefix_cache", "rlmem": "/flush_cache"}
-        self._call("POST", path[self.flavor])
+        t0 = time.monotonic()
+        while True:
+            out = self._call("POST", path[self.flavor])
+            if not (isinstance(out, dict) and out.get("success") is False):
+                return
+            if time.monotonic() - t0 > self.timeout:
+                raise RemoteError(f"{self.flavor} server at {self.url} did not flush its cache: {out}")
+            time.sleep(0.05)
 
     def health_info(self) -> dict[str, Any]:
         """The server's ``GET /health`` answer (rlmem's: ready, sleeping, pid, the broker it joined).
@@ -229,6 +264,8 @@ class RemoteEngine:
             ConnectionError: it does not answer. RemoteError: it answers with an error.
         """
         out = self._call("GET", "/health")
+        if out is None:  # vLLM's and SGLang's: 200 and no body
+            return {"status": "ok"}
         return out if isinstance(out, dict) else {"status": out}
 
     def health(self) -> bool:
