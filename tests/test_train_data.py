@@ -16,14 +16,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
+from rlmem.benchmarks.assets import TEMPLATE
 from rlmem.cli import main as cli_main
 from rlmem.recipes import checkpoint
 from rlmem.recipes.rewards import extract_answer, load_reward, math_reward, score
-
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def _questions(n: int, seed: int = 0) -> list[dict[str, str]]:

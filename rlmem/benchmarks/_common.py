@@ -132,11 +132,10 @@ def spawn_part(
         os.killpg(popen.pid, signal.SIGKILL)
         out, err = popen.communicate()
         return {"error": f"ran past {timeout_s:g} s: {err[-3000:]}"}
-    proc = subprocess.CompletedProcess(cmd, popen.returncode, out, err)
-    sys.stderr.write(proc.stderr[-4000:])
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+    sys.stderr.write(err[-4000:])
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if popen.returncode != 0 or not lines:
+        return {"error": f"exit {popen.returncode}: {err[-3000:]}"}
     return json.loads(lines[-1])
 
 

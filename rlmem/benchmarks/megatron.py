@@ -36,6 +36,7 @@ import torch
 from .. import OffloadConfig, PhaseManager, offload_activations
 from .._units import GiB as _GiB
 from ..activations.modmap import DENSE_NAMES
+from ..integrations.megatron import main_params
 from ._common import format_table, link_rates, median, warm_steps
 from ._harness import Run
 
@@ -224,19 +225,11 @@ def measure_bit_identical(device: torch.device, steps: int, seq: int) -> dict[st
     def bits(ts: Any) -> list[torch.Tensor]:
         return [t.detach().reshape(-1).view(torch.uint8) for t in ts]
 
-    def mains(o: Any) -> list[torch.Tensor]:
-        return [
-            p
-            for inner in getattr(o, "chained_optimizers", [o])
-            for g in inner.optimizer.param_groups
-            for p in g["params"]
-        ]
-
     def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
     same_params = same(bits(ref.parameters()), bits(ddp.parameters()))
-    same_main = same(bits(mains(ref_opt)), bits(mains(opt)))
+    same_main = same(bits(main_params(ref_opt)), bits(main_params(opt)))
     out = {
         "shape": shape,
         "steps": steps,

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..integrations.megatron import main_params
 from ._common import format_table, link_rates, spawn_part
 from ._harness import Run
 
@@ -72,13 +73,6 @@ class _MixedPrecision:
         with torch.no_grad():
             for q, m in zip(self.model_params, self.main, strict=True):
                 q.copy_(m)
-
-
-def _mains(opt: Any) -> list[torch.Tensor]:
-    if isinstance(opt, _MixedPrecision):
-        return list(opt.main)
-    inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
-    return [q for o in inner for g in o.param_groups for q in g["params"]]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -244,7 +238,7 @@ def run_part(layout: str, shape: dict[str, int], steps: int, device: torch.devic
     for _ in range(steps):
         losses.append(tr.step(ddp, opt))
         params = [q.detach().clone() for q in ddp.parameters()]
-        main = [m.detach().clone() for m in _mains(opt)]
+        main = [m.detach().clone() for m in main_params(opt)]
         _sync(device)
         free0 = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         t0 = time.perf_counter()
@@ -262,7 +256,7 @@ def run_part(layout: str, shape: dict[str, int], steps: int, device: torch.devic
             "moved_bytes": moved,
             "offload_s": t_off,
             "params_read": all(torch.equal(a, b) for a, b in zip(ddp.parameters(), params, strict=True)),
-            "main_read": all(torch.equal(a, b) for a, b in zip(_mains(opt), main, strict=True)),
+            "main_read": all(torch.equal(a, b) for a, b in zip(main_params(opt), main, strict=True)),
         }
         t0 = time.perf_counter()
         st.reload(blocking=True)
@@ -274,7 +268,7 @@ def run_part(layout: str, shape: dict[str, int], steps: int, device: torch.devic
             cyc["reload_vs_pinned"] = moved / cyc["reload_s"] / link[1]
         cycles.append(cyc)
     pairs = zip(ref.parameters(), ddp.parameters(), strict=True)
-    main_pairs = zip(_mains(ref_opt), _mains(opt), strict=True)
+    main_pairs = zip(main_params(ref_opt), main_params(opt), strict=True)
     mine = {
         "rank": tr.rank,
         "stage": "whole" if tr.pp == 1 else "first" if tr.first else "last",

@@ -39,7 +39,7 @@ from torch import nn
 from .._results import Result
 from ..train import _megatron as _mc
 
-__all__ = ["MegatronStateBytes", "state_bytes"]
+__all__ = ["MegatronStateBytes", "main_params", "state_bytes"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -106,3 +106,10 @@ def state_bytes(model: nn.Module | list[nn.Module], optimizer: Any = None) -> Me
         optimizer_states=states,
         total=pbuf + outside + gbuf + main + states,
     )
+
+
+def main_params(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors ``optimizer`` updates, in its order: Megatron's fp32 main parameters (this rank's shards
+    under the distributed optimizer) behind a ``ChainedOptimizer`` or a mixed-precision one; a
+    ``torch.optim`` optimizer's own parameters."""
+    return [p for o in _mc.torch_optimizers(optimizer) for g in o.param_groups for p in g["params"]]
