@@ -130,6 +130,10 @@ def test_real_model_summary_reads_the_eval_curve_and_compares_the_two_runs():
     assert s["offload_step_ratio"] == pytest.approx(1.25)
     s = real_model.summarize({"offload": {**on, "invocation": "a"}, "nooffload": {**slow, "invocation": "b"}})
     assert "offload_step_ratio" not in s and s["step_s_nooffload"] == 1.6
+    # each step against its twin, the first (capture, compilation) left out
+    on["steps"][0]["step_s"], slow["steps"][1]["step_s"] = 9.0, 1.0
+    s = real_model.summarize({"offload": {**on, "invocation": "a"}, "nooffload": {**slow, "invocation": "a"}})
+    assert s["offload_step_ratio_paired"] == pytest.approx(2.0) and s["offload_extra_s_paired"] == 1.0
 
 
 def test_colocate_summary_compares_the_three_syncs_with_the_bound():

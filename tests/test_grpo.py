@@ -304,3 +304,13 @@ def test_a_step_row_carries_the_communicators_suspend_and_resume():
         "comm_resume_s": 0.125,
         "comm_freed_bytes": 480 << 20,
     }
+
+
+def test_the_cache_is_given_back_at_the_switch_only_where_another_process_or_the_overlap_needs_it():
+    # The sampler in this process takes PyTorch's cached blocks when its Regions need them; a server's
+    # process cannot, and the overlapped switch waits on free memory.
+    from rlmem.recipes.policy import releases_cache
+
+    assert not releases_cache(GRPOConfig(offload=True))
+    assert releases_cache(GRPOConfig(offload=True, engine="server"))
+    assert releases_cache(GRPOConfig(offload=True, overlap_offload=True))

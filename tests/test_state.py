@@ -200,6 +200,27 @@ def test_forward_while_params_offloaded_is_refused(device):
     st.reload(blocking=True)
 
 
+def test_the_forward_guards_are_there_only_while_something_they_check_is_released(device):
+    # A module with a forward hook takes PyTorch's slow call path: the train phase runs without them.
+    _, _, _, st, model, _ = _train(device, "adamw-foreach", cycle=lambda s, i: None, steps=1)
+
+    def guarded() -> int:
+        return sum(len(m._forward_pre_hooks) for m in model.modules())
+
+    assert guarded() == 0
+    st.offload(params="keep", grads="keep", optimizer="offload", blocking=True)
+    assert guarded() == 0  # the optimizer's own step hook refuses a step
+    st.reload(blocking=True)
+    st.offload(params="offload", grads="discard", optimizer="offload", blocking=True)
+    assert guarded() == sum(1 for m in model.modules() if m._parameters)
+    st.reload(blocking=False)
+    assert guarded() == 0
+    st.offload(params="keep", grads="offload", optimizer="keep", blocking=True)
+    assert guarded() > 0
+    st.close()
+    assert guarded() == 0
+
+
 def test_step_while_optimizer_offloaded_is_refused(device):
     _, _, _, st, _, opt = _train(device, "adamw-foreach", cycle=lambda s, i: None, steps=1)
     st.offload(params="keep", grads="keep", optimizer="offload", blocking=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -48,8 +49,11 @@ def cell_name(c: dict[str, Any]) -> str:
     return f"{c['family']}/{c['precision']}/{c['rollout_dtype']}/{c['engine']}"
 
 
-def run_cell(cell: dict[str, Any], assets: Path, device: str, steps: int) -> dict[str, Any]:
-    """One ``rlmem train`` run in a process of its own; the cell with what it gave."""
+def run_cell(
+    cell: dict[str, Any], assets: Path, device: str, steps: int, gpu: str | None = None
+) -> dict[str, Any]:
+    """One ``rlmem train`` run in a process of its own (on GPU ``gpu``, a ``CUDA_VISIBLE_DEVICES`` entry, if
+    given); the cell with what it gave."""
     out = assets / "runs" / cell_name(cell).replace("/", "-")
     argv = [sys.executable, "-m", "rlmem", "train", f"model={assets / cell['family']}"]
     data = assets / "arith.jsonl" if cell.get("data", "file") == "file" else "arithmetic"
@@ -58,9 +62,13 @@ def run_cell(cell: dict[str, Any], assets: Path, device: str, steps: int) -> dic
     argv += [*_TRAIN, f"steps={steps}"]
     # cuBLAS reduces deterministically only with a fixed workspace: the server cell is compared bit for bit
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     t0 = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     res = {**cell, "exit_code": proc.returncode, "seconds": round(time.perf_counter() - t0, 1)}
+    if gpu is not None:
+        res["gpu"] = gpu
     summary = out / "summary.json"
     if proc.returncode == 0 and summary.is_file():
         s = json.loads(summary.read_text())
@@ -127,6 +135,35 @@ def _table(cells: list[dict[str, Any]]) -> str:
     return format_table(rows, [("family", "family", "s")] + [(col, col, "s") for col in cols])
 
 
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries for a child."""
+    import torch
+
+    n = torch.cuda.device_count()
+    named = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return named[:n] if named else [str(i) for i in range(n)]
+
+
+def _run_spread(
+    cells: list[dict[str, Any]], jobs_per_gpu: int, gpus: list[str | None], run: Any
+) -> list[dict[str, Any]]:
+    """``run(cell, gpu)`` for every cell, at most ``jobs_per_gpu`` at once on each GPU; results in order."""
+    free: queue.Queue[str | None] = queue.Queue()
+    for g in gpus:
+        for _ in range(jobs_per_gpu):
+            free.put(g)
+
+    def one(c: dict[str, Any]) -> dict[str, Any]:
+        g = free.get()
+        try:
+            return run(c, g)
+        finally:
+            free.put(g)
+
+    with ThreadPoolExecutor(jobs_per_gpu * len(gpus)) as pool:
+        return list(pool.map(one, cells))
+
+
 def _split(value: str, allowed: list[str] | tuple[str, ...], what: str, run_: Run) -> list[str]:
     got = [x for x in value.split(",") if x]
     bad = [x for x in got if x not in allowed]
@@ -143,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollouts", default=None, help="rollout_dtype values (default: none,bf16 GPU, none CPU)")
     p.add_argument("--server", default=None, help="families run with engine=server too (default: all; none)")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--jobs", type=int, default=None, help="local cells at once (default: 6 GPU, 2 CPU)")
+    p.add_argument(
+        "--jobs", type=int, default=None, help="local cells at once on each GPU (default: 6 GPU, 2 CPU)"
+    )
     p.add_argument("--keep", default=None, help="make the models and runs here and keep them")
     p.add_argument("--merge", action="store_true", help="keep the cells of an existing JSON not run now")
     p.add_argument(
@@ -172,17 +211,20 @@ def main(argv: list[str] | None = None) -> int:
         c["data"] = args.data
     jobs = args.jobs or (6 if gpu else 2)
     device = run_.device.type  # rlmem train takes cpu or cuda (the rank picks the GPU)
+    gpus: list[str | None] = _visible_gpus() if gpu else [None]
     with tempfile.TemporaryDirectory() as tmp:
         assets = Path(args.keep or tmp)
         tok, _ = tokenizer_and_data(assets)
         for f in families:
             model_dir(f, assets / f, tok)
-        # Local cells side by side; the server cells one at a time, since a fenced handoff reads the
-        # device's free memory, which other processes on it would move.
-        with ThreadPoolExecutor(jobs) as pool:
-            done = list(pool.map(lambda c: run_cell(c, assets, device, args.steps), local))
-        for c in served:
-            r = run_cell(c, assets, device, args.steps)
+
+        # Local cells side by side on every GPU; the server cells one at a time on each, since a fenced
+        # handoff reads its device's free memory, which other processes on it would move.
+        def cell(c: dict[str, Any], g: str | None) -> dict[str, Any]:
+            return run_cell(c, assets, device, args.steps, g)
+
+        done = _run_spread(local, jobs, gpus, cell)
+        for r in _run_spread(served, 1, gpus, cell):
             r["same_as_local"] = r["passed"] and _same_as_local(r, done)
             r["passed"] = r["same_as_local"]
             done.append(r)
@@ -202,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     config = dict(families=families, precisions=precisions, rollouts=rollouts, server=server)
     config.update(steps=args.steps, default_cell=list(default), train_args=_TRAIN, data=args.data)
     config["transformers"] = package_version("transformers")  # the families' code is transformers
+    config["gpus"] = len(gpus) if gpu else 0
     config["kept_from_earlier_calls"] = [cell_name(c) for c in kept]
     run_.finish(summary, config=config, results={"cells": done})
     return 0 if summary["all_passed"] else 1

@@ -79,6 +79,34 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8).cpu()
 
 
+def _layer_spec(cfg: Any) -> Any:
+    """Megatron's local layer spec; under sequence parallel with torch's norms (Megatron's own refuses it
+    without Transformer Engine or Apex), whose weights are marked so that ``finalize_model_grads`` sums their
+    gradients over the tensor-parallel ranks (each saw its part of the sequence)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = get_gpt_layer_local_spec()
+    if not cfg.sequence_parallel:
+        return spec
+    assert cfg.pipeline_model_parallel_size == 1  # the block's layers below are all of the model's
+    norms = dict(input_layernorm=_SequenceParallelNorm, pre_mlp_layernorm=_SequenceParallelNorm)
+    layer = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **norms))
+    return TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=_SequenceParallelNorm)
+
+
+class _SequenceParallelNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` as a Megatron norm module, its weights marked ``sequence_parallel``."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        assert config.normalization == "LayerNorm"
+        super().__init__(hidden_size, eps=eps)
+        for w in self.parameters():
+            w.sequence_parallel = config.sequence_parallel
+
+
 class _Trainer:
     """One rank's model and data for ``layout``: :meth:`build` makes a trainer, :meth:`step` steps it."""
 
@@ -105,7 +133,6 @@ class _Trainer:
     def build(self, seed: int) -> tuple[Any, Any]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer import TransformerConfig
 
@@ -129,7 +156,7 @@ class _Trainer:
         )
         model = GPTModel(
             config=cfg,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=_layer_spec(cfg),
             vocab_size=sh["vocab"],
             max_sequence_length=sh["seq"],
             pre_process=self.first,
@@ -152,6 +179,7 @@ class _Trainer:
         """One step as a Megatron trainer takes it (in ``pp2`` the first stage sends its output to the last,
         which sends back its gradient); the loss, the same on every rank."""
         import torch.distributed as dist
+        from megatron.core.distributed import finalize_model_grads
 
         ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -175,7 +203,8 @@ class _Trainer:
             loss = ddp(None, self.pos, self.mask, labels=self.tok).float().mean()
             loss.backward()
             dist.send(inp.grad.contiguous(), peer)
-        ddp.finish_grad_sync()
+        # the data-parallel reduction, and with sequence parallel the sum of the norms' gradients over TP
+        finalize_model_grads([ddp])
         opt.step()
         loss = loss.detach().reshape(1).to(self.device)
         if self.pp > 1:
@@ -233,10 +262,11 @@ def run_part(layout: str, shape: dict[str, int], steps: int, device: torch.devic
     ref_losses = [tr.step(ref, ref_opt) for _ in range(steps)]
     ddp, opt = tr.build(0)
     st = TrainState(ddp, opt)
-    held = sum(c.bytes for c in st.stats().categories.values())
     losses, cycles = [], []
     for _ in range(steps):
         losses.append(tr.step(ddp, opt))
+        # what the state holds now (the optimizer's states exist from its first step on)
+        held = sum(c.bytes for c in st.stats().categories.values())
         params = [q.detach().clone() for q in ddp.parameters()]
         main = [m.detach().clone() for m in main_params(opt)]
         _sync(device)

@@ -10,20 +10,24 @@ checkpoint is loaded in another process with plain transformers (``gguf`` and ``
 Summary: ``eval_reward_before`` / ``eval_reward_after`` (the held-out reward before the first update and after
 the last), ``eval_gain``, ``offload_identical``, ``step_s`` (median step of the offload run),
 ``switch_share_of_step`` (its phase switches over its steps), ``checkpoint_loads_plain``, and where both
-parts ran in one invocation, one after the other on the same machine, ``offload_step_ratio``: ``step_s``
-over ``step_s_nooffload`` (parts merged from separate calls may have run on different machines: their
-steps are not compared).
+parts ran in one invocation, one after the other on the same machine (or with ``--side-by-side`` at the same
+time, each on a GPU of its own), ``offload_step_ratio``: ``step_s`` over ``step_s_nooffload`` (parts merged
+from separate calls may have run on different machines: their steps are not compared), and, as the two runs
+sample the same tokens step by step, ``offload_step_ratio_paired`` and ``offload_extra_s_paired``: the
+medians of each step against its twin (the first step left out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +126,25 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         s["step_s_nooffload"] = statistics.median(r["step_s"] for r in off["steps"])
         if on.get("invocation") is not None and on.get("invocation") == off.get("invocation"):
             s["offload_step_ratio"] = s["step_s"] / s["step_s_nooffload"]
+            # The runs sample the same tokens step by step: each step against its twin, the first (graph
+            # capture and compilation) left out.
+            pairs = list(zip(on["steps"], off["steps"], strict=False))[1:]
+            if pairs:
+                on_s, off_s = [a["step_s"] for a, _ in pairs], [b["step_s"] for _, b in pairs]
+                s["offload_step_ratio_paired"] = statistics.median(
+                    a / b for a, b in zip(on_s, off_s, strict=True)
+                )
+                s["offload_extra_s_paired"] = statistics.median(
+                    a - b for a, b in zip(on_s, off_s, strict=True)
+                )
         s["evals_identical"] = on["evals"] == off["evals"]
     return s
+
+
+def _gpu_entry(i: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of this process's ``i``-th GPU."""
+    named = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return named[i] if named else str(i)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)}")
     p.add_argument("--merge", action="store_true", help="keep the other part of an existing JSON file")
+    p.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run the parts at the same time, each on a GPU of its own (as many GPUs as parts)",
+    )
     p.add_argument("--part", default=None, choices=PARTS, help=argparse.SUPPRESS)
     args = run_.parse(argv)
     args.device = str(run_.device)
@@ -150,14 +176,30 @@ def main(argv: list[str] | None = None) -> int:
     parts = [x for x in args.parts.split(",") if x]
     if not parts or any(x not in PARTS for x in parts):
         run_.error(f"--parts must be a comma-separated subset of {', '.join(PARTS)}")
-    args.forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--merge"]
+    if args.side_by_side and torch.cuda.device_count() < len(parts):
+        n = torch.cuda.device_count()
+        run_.error(f"--side-by-side runs {len(parts)} parts, each on a GPU of its own: {n} GPU(s) seen")
+    mine = ("--merge", "--side-by-side")
+    forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in mine]
     res: dict[str, Any] = run_.previous() if args.merge else {}
     invocation = uuid.uuid4().hex  # which parts ran side by side (offload_step_ratio compares only those)
-    for part in parts:  # a part takes minutes: the two can be measured in separate calls and merged
+
+    def one(i: int, part: str) -> dict[str, Any]:
         # cuBLAS picks deterministic reductions only with a fixed workspace, set before CUDA starts.
         env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-        res[part] = spawn_part("rlmem.benchmarks.real_model", part, args.forward, env=env)
-        res[part]["invocation"] = invocation
+        if args.side_by_side:
+            env["CUDA_VISIBLE_DEVICES"] = _gpu_entry(i)
+        out = spawn_part("rlmem.benchmarks.real_model", part, forward, env=env)
+        out["invocation"] = invocation
+        if args.side_by_side:
+            out["gpu"] = env["CUDA_VISIBLE_DEVICES"]
+        return out
+
+    if args.side_by_side:
+        with ThreadPoolExecutor(len(parts)) as pool:
+            res.update(zip(parts, pool.map(one, range(len(parts)), parts), strict=True))
+    else:  # a part takes minutes: the two can be measured in separate calls and merged
+        res.update((part, one(0, part)) for part in parts)
     failed = {k: v["error"] for k, v in res.items() if "error" in v}
     for k, v in failed.items():
         print(f"{k} failed:\n{v}", file=sys.stderr)
@@ -166,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"updates": k, "on": v, "off": off.get(k)} for k, v in summary.get("eval_curve", [])]
     cols = [("updates", "updates", "d"), ("on", "eval reward, offload", ".3f"), ("off", "no offload", ".3f")]
     print(format_table(rows, cols))
-    skip = ("forward", "part", "json", "machine", "merge")
+    skip = ("part", "json", "machine", "merge")
     run_.finish(summary, config={k: v for k, v in vars(args).items() if k not in skip}, results=res)
     return 1 if failed else 0
 

@@ -120,6 +120,7 @@ class Policy:
                 grads="discard",
                 optimizer="offload",
                 engine_sleep_level=2 if self.own_copy else 1,
+                empty_cache=releases_cache(self.cfg),
                 comms=self.cfg.comms,
                 overlap_offload=self.cfg.overlap_offload,
             ),
@@ -244,6 +245,14 @@ class Policy:
         if reshard:
             for m in mods:
                 m.reshard()
+
+
+def releases_cache(cfg: GRPOConfig) -> bool:
+    """Whether the switch to rollout gives PyTorch's cached blocks back to the device. The sampler in this
+    process maps its Regions over them only when it needs them (a failed map empties the cache and retries),
+    so with it the cache stays for the train phase, which would otherwise grow it again every step. A
+    server's process cannot reclaim our cache, and the overlapped switch waits on free memory."""
+    return cfg.engine != "local" or cfg.overlap_offload
 
 
 def _shard(model: nn.Module, device: torch.device, world: int) -> None:

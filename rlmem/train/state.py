@@ -163,11 +163,10 @@ class TrainState:
             hooks.append(opt.register_state_dict_pre_hook(lambda *_: self._drain(("optimizer",), host=True)))
             hooks.append(opt.register_step_post_hook(lambda *_: self.adopt_optimizer_states()))
         self.adopt_optimizer_states()
-        for m in root.modules():
-            if m._parameters or (buffers and m._buffers):
-                # prepend: run before FSDP's own pre-forward all-gather reads the sharded parameters
-                hooks.append(m.register_forward_pre_hook(self._before_forward, prepend=True))
-                hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
+        self._guarded = [m for m in root.modules() if m._parameters or (buffers and m._buffers)]
+        self._guards: list[Any] = []  # forward guards, there only while what they check is released
+        for m in self._guarded:
+            hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
         if any(t.device.type == "cuda" for t in params):
             torch.cuda.empty_cache()  # the tensors adopted from the caching allocator are free now
 
@@ -261,6 +260,21 @@ class TrainState:
                 f"rlmem TrainState {self.name!r}: the model was called while its buffers are offloaded; "
                 "call reload() first, or offload with buffers='keep'"
             )
+
+    def _set_guards(self) -> None:
+        """Forward guards on the model's modules while its parameters, gradients or buffers are released,
+        and none otherwise: a module with a forward hook takes PyTorch's slow call path, a few microseconds
+        a call that a train step would pay for nothing."""
+        want = not self._closed and any(self.paused(c) for c in ("params", "grads", "buffers"))
+        if want and not self._guards:
+            # prepend: run before FSDP's own pre-forward all-gather reads the sharded parameters
+            self._guards = [
+                m.register_forward_pre_hook(self._before_forward, prepend=True) for m in self._guarded
+            ]
+        elif not want:
+            for h in self._guards:
+                h.remove()
+            self._guards = []
 
     def _own_weights(self, module: nn.Module) -> bool:
         """Whether ``module`` runs on its own parameters now. A module called over other weights
@@ -397,6 +411,7 @@ class TrainState:
                 self._away[cat].extend(entries)
                 handles.append((cat, h))
             self._policy[cat] = policies[cat]
+        self._set_guards()
         if not blocking:
             for cat, h in handles:
                 self._pending[cat].append(h)
@@ -455,6 +470,7 @@ class TrainState:
                             self._pending[cat].append(h)
                 self._policy[cat] = "keep"
         finally:
+            self._set_guards()
             # Holders go back once their bytes are ordered (non-blocking: on the current stream).
             self._drain(CATEGORIES if blocking else ("params", "buffers", "grads"), host=False)
         self._last.update(reload_s=time.perf_counter() - t0 if blocking else None, reload_bytes=nbytes)
