@@ -8,8 +8,10 @@ from typing import Any
 
 __all__ = ["TAGS", "check_choice", "check_flag", "check_int", "check_tags"]
 
-# What an engine's wake(tags) takes, in the order it takes them (vLLM's and SGLang's tag names).
-TAGS = ("weights", "kv_cache")
+# What an engine's wake(tags) takes, in the order it takes them (vLLM's and SGLang's tag names). An engine
+# without CUDA graphs of its own to release (rlmem's) has nothing to do for "cuda_graph"; SGLang's are woken
+# with "kv_cache" unless named.
+TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 def check_flag(field: str, value: Any) -> bool:

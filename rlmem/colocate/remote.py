@@ -6,8 +6,12 @@
   ``{"prompts", "max_new_tokens", ...}``, ``GET /health``;
 - ``vllm`` (its dev endpoints): ``POST /sleep?level=L``, ``POST /wake_up?tags=weights&tags=kv_cache``,
   ``GET /is_sleeping``, ``POST /v1/completions``, ``POST /reset_prefix_cache``;
-- ``sglang``: ``POST /release_memory_occupation {"tags": null}``, ``POST /resume_memory_occupation
-  {"tags": [...] | null}``, ``POST /generate {"text", "sampling_params"}``, ``POST /flush_cache``.
+- ``sglang``: ``POST /release_memory_occupation {"tags": [...]}``, ``POST /resume_memory_occupation
+  {"tags": [...]}``, ``POST /generate {"text" | "input_ids", "sampling_params"}``, ``POST /flush_cache``,
+  ``GET /server_info``, ``POST /update_weights_from_tensor`` (its ``flattened_bucket`` format). SGLang's
+  scheduler dies on a resume of a tag not released or a release while requests run (see
+  :mod:`rlmem.colocate._sglang`): this engine keeps what it released, resumes only that, and releases only
+  once its own generations have ended and the server is idle.
 
 With ``member=`` (the rlmem flavor; ``rlmem serve --broker``), the memory handoff goes through the device's
 broker instead: ``sleep`` / ``wake`` are :class:`~rlmem.colocate.PeerEngine`'s (the server's fenced release
@@ -24,6 +28,7 @@ of device memory).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +37,7 @@ import torch
 
 from .._checks import check_tags
 from ..errors import OutOfMemoryError
+from . import _sglang
 from ._device import mem_info
 from .member import FenceError, Member, RemoteError, fence_bytes
 from .peer import PeerEngine
@@ -101,6 +107,10 @@ class RemoteEngine:
         else:
             self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout)
         self._took: int | None = None  # device bytes the last wake took
+        self._released: set[str] = set()  # SGLang: the tags this engine released (it has no such endpoint)
+        self._info: dict[str, Any] | None = None  # SGLang's /server_info, read once
+        self._running = 0  # this engine's generate calls in flight: no sleep meanwhile
+        self._idle = threading.Condition()
         self.last_fence: dict[str, Any] | None = None
         self.peer: PeerEngine | None = None
         if member is not None:
@@ -116,6 +126,7 @@ class RemoteEngine:
         """
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._wait_own_generations()
         if self.peer is not None:
             self.peer.sleep(level)
             self.last_fence = self.peer.last_peer_fence
@@ -127,14 +138,22 @@ class RemoteEngine:
             # lets them finish first.
             self._call("POST", "/sleep", params={"level": level, "mode": "wait"})
         elif self.flavor == "sglang":
-            self._call("POST", "/release_memory_occupation", json={"tags": None})
+            tags = _sglang.release_tags(level, self._sglang_info(), self._released, self.url)
+            if not tags:
+                return
+            # A release while anything runs kills SGLang's scheduler: a flush succeeds only once it is idle.
+            self._call("POST", "/flush_cache", params={"timeout": self.timeout})
+            self._call("POST", "/release_memory_occupation", json={"tags": tags})
+            self._released.update(tags)
         else:
             self._call("POST", "/sleep", json={"level": level})
         if free0 is not None:
             self.last_fence = self._fence(free0)
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
-        """Take the memory again, by tag (``"weights"``, ``"kv_cache"``; None: all).
+        """Take the memory again, by tag (``"weights"``, ``"kv_cache"``, ``"cuda_graph"``; None: all). SGLang:
+        only what this engine released (``cuda_graph`` with ``kv_cache`` unless named); nothing is sent for
+        a tag not released.
 
         Raises:
             RemoteError: the server refused (e.g. out of memory: its message says).
@@ -147,7 +166,11 @@ class RemoteEngine:
         if self.flavor == "vllm":
             self._call("POST", "/wake_up", params={"tags": tags} if tags else None)
         elif self.flavor == "sglang":
-            self._call("POST", "/resume_memory_occupation", json={"tags": tags})
+            todo = _sglang.resume_tags(tags, self._released)
+            if not todo:
+                return
+            self._call("POST", "/resume_memory_occupation", json={"tags": todo})
+            self._released.difference_update(todo)
         else:
             self._call("POST", "/wake", json={"tags": tags})
         if free0 is not None:
@@ -165,30 +188,56 @@ class RemoteEngine:
         **sampling: Any,
     ) -> list[str] | list[list[int]]:
         """Completions of ``prompts``, in order (greedy by default): text for text prompts; token ids for
-        token-id prompts (the rlmem and vLLM flavors), as :meth:`HFSampler.generate` returns them. vLLM:
-        with ``n`` > 1 a list of ``n`` per prompt.
+        token-id prompts, as :meth:`HFSampler.generate` returns them. vLLM and SGLang: with ``n`` > 1 a list
+        of ``n`` per prompt. ``sampling`` goes to the server as its keys (SGLang: checked against the keys
+        its ``SamplingParams`` takes, ``seed`` sent as ``sampling_seed``).
 
         Raises:
-            ValueError: prompts neither all text nor all token ids. RemoteError: the server refused, is
-            asleep (vLLM), or cut a completion short (vLLM's ``finish_reason: "abort"``).
+            ValueError: prompts neither all text nor all token ids; a sampling key SGLang does not take.
+            RemoteError: the server refused, is asleep (vLLM) or released by this engine (SGLang), or cut
+            a completion short (``finish_reason`` abort).
         """
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list of str, or of token-id lists")
         ids = bool(prompts) and all(isinstance(p, (list, tuple)) for p in prompts)
         if not ids and not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompts must be a list of str, or of token-id lists")
+        with self._idle:
+            self._running += 1
+        try:
+            return self._generate(prompts, ids, max_new_tokens, temperature, sampling)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+    def _generate(
+        self, prompts: Sequence[Any], ids: bool, max_new_tokens: int, temperature: float, sampling: dict
+    ) -> Any:
         if self.flavor == "vllm":
             return self._vllm_generate(prompts, ids, max_new_tokens, temperature, sampling)
+        if self.flavor == "sglang":
+            params = _sglang.sampling_params(max_new_tokens, temperature, sampling)
+            if self._released:  # its scheduler would run the batch over released memory
+                raise RemoteError(
+                    f"sglang server at {self.url} is released ({', '.join(sorted(self._released))}): wake it "
+                    "before generating"
+                )
+            body: dict[str, Any] = {"sampling_params": params}
+            if ids:
+                body["input_ids"] = [[int(t) for t in p] for p in prompts]
+            else:
+                body["text"] = list(prompts)
+            out = self._call("POST", "/generate", json=body)
+            try:
+                return _sglang.completions(out, len(prompts), int(params.get("n", 1)), ids, self.url)
+            except RuntimeError as e:
+                raise RemoteError(str(e)) from None
         if ids:
-            if self.flavor != "rlmem":
-                raise ValueError(f"token-id prompts need flavor 'rlmem' or 'vllm', not {self.flavor!r}")
             body = {"input_ids": [[int(t) for t in p] for p in prompts], "max_new_tokens": max_new_tokens}
             out = self._call("POST", "/generate", json={**body, "temperature": temperature, **sampling})
             return [list(o) for o in out["output_ids"]]
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, **sampling}
-        if self.flavor == "sglang":
-            out = self._call("POST", "/generate", json={"text": list(prompts), "sampling_params": params})
-            return [o["text"] for o in out]
         out = self._call("POST", "/generate", json={"prompts": list(prompts), **params})
         return list(out["completions"])
 
@@ -216,16 +265,32 @@ class RemoteEngine:
     def update_weights_from_tensor(self, named: Any) -> dict[str, Any]:
         """Send ``named`` tensors (a mapping or ``(name, tensor)`` pairs) by handle (CUDA IPC, or shared
         memory on the host): the server copies them into its weights by name before answering, so they
-        may change once this returns. The rlmem flavor (vLLM's and SGLang's take pickled tensors).
+        may change once this returns. rlmem's server: rlmem's handles; SGLang's: its ``flattened_bucket``
+        format (one bucket, sent to every tensor-parallel rank). Not vLLM's.
 
         Raises:
-            ValueError: another flavor. RemoteError: the server refused (an unknown name, another shape).
+            ValueError: the vLLM flavor; SGLang's weights released by this engine (wake them first).
+            RemoteError: the server refused (an unknown name, another shape).
         """
+        pairs = list(named.items()) if isinstance(named, dict) else list(named)
+        if self.flavor == "sglang":
+            if "weights" in self._released:  # a load into released memory would crash its scheduler
+                raise ValueError("update_weights_from_tensor: the sglang server's weights are released")
+            bucket = _sglang.bucket(pairs)
+            # each tensor-parallel rank reads its own entry; a handle is opened once (a host tensor's
+            # descriptor is handed out once), so a dump per rank
+            ranks = int(self._sglang_info().get("tp_size") or 1)
+            data = [_sglang.serialize(bucket) for _ in range(ranks)]
+            body = {"serialized_named_tensors": data, "load_format": "flattened_bucket"}
+            out = self._call("POST", "/update_weights_from_tensor", json={**body, "flush_cache": True})
+            if isinstance(out, dict) and out.get("success") is False:
+                raise RemoteError(f"sglang server at {self.url} did not update its weights: {out}")
+            return out if isinstance(out, dict) else {}
         if self.flavor != "rlmem":
-            raise ValueError(f"update_weights_from_tensor: the rlmem flavor only, not {self.flavor!r}")
+            raise ValueError(f"update_weights_from_tensor: flavor 'rlmem' or 'sglang', not {self.flavor!r}")
         from .ipc import share_tensors
 
-        return self._call("POST", "/update_weights_from_tensor", json={"tensors": share_tensors(named)})
+        return self._call("POST", "/update_weights_from_tensor", json={"tensors": share_tensors(pairs)})
 
     def stats(self) -> dict[str, Any]:
         """rlmem's server: the cache's shape and what the process holds (``GET /memory``)."""
@@ -234,10 +299,12 @@ class RemoteEngine:
         return self._call("GET", "/memory")
 
     def is_sleeping(self) -> bool:
+        """Whether the server is asleep (SGLang, which has no endpoint saying so: whether this engine has
+        released any of its memory)."""
         if self.flavor == "vllm":
             return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
         if self.flavor == "sglang":
-            raise NotImplementedError("SGLang's server has no endpoint telling whether it is released")
+            return bool(self._released)
         return bool(self._call("GET", "/health")["sleeping"])
 
     def flush_cache(self) -> None:
@@ -248,9 +315,11 @@ class RemoteEngine:
                 ``{"success": false}`` while blocks are held, and asks callers to retry).
         """
         path = {"sglang": "/flush_cache", "vllm": "/reset_prefix_cache", "rlmem": "/flush_cache"}
+        # SGLang waits for its scheduler to be idle up to ?timeout= and answers 400 if it was not
+        params = {"timeout": self.timeout} if self.flavor == "sglang" else None
         t0 = time.monotonic()
         while True:
-            out = self._call("POST", path[self.flavor])
+            out = self._call("POST", path[self.flavor], params=params)
             if not (isinstance(out, dict) and out.get("success") is False):
                 return
             if time.monotonic() - t0 > self.timeout:
@@ -263,15 +332,15 @@ class RemoteEngine:
         Raises:
             ConnectionError: it does not answer. RemoteError: it answers with an error.
         """
-        out = self._call("GET", "/health")
-        if out is None:  # vLLM's and SGLang's: 200 and no body
+        out = self._call("GET", self._health_path())
+        if out is None or self._health_path() != "/health":  # vLLM's and SGLang's: 200 and no body
             return {"status": "ok"}
         return out if isinstance(out, dict) else {"status": out}
 
     def health(self) -> bool:
         """Whether the server answers ``GET /health`` with 200."""
         try:
-            return self._http.get("/health").status_code == 200
+            return self._http.get(self._health_path()).status_code == 200
         except Exception:
             return False
 
@@ -279,6 +348,24 @@ class RemoteEngine:
         self._http.close()
 
     # -- plumbing ---------------------------------------------------------------------------------------
+    def _health_path(self) -> str:
+        # SGLang's /health generates a token: not over a KV cache this engine released
+        return "/server_info" if self.flavor == "sglang" and self._released else "/health"
+
+    def _sglang_info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = dict(self._call("GET", "/server_info") or {})
+        return self._info
+
+    def _wait_own_generations(self) -> None:
+        """Wait (bounded) until this engine's generate calls have returned: a sleep never cuts them."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._running == 0, timeout=self.timeout):
+                raise RemoteError(
+                    f"{self.flavor} server at {self.url}: {self._running} generate call(s) of this engine "
+                    f"still running after {self.timeout:g} s; not put to sleep"
+                )
+
     def _first_model(self) -> str:
         models = self._call("GET", "/v1/models")["data"]
         if not models:

@@ -363,7 +363,8 @@ class HFSampler:
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         """Take memory again, at the same addresses: ``"weights"`` (the rollout copy; the caller's model
-        otherwise, always awake), ``"kv_cache"``; None: both.
+        otherwise, always awake), ``"kv_cache"``; None: both (``"cuda_graph"``: nothing, the graphs' pool is
+        PyTorch's).
 
         Raises:
             ValueError: an unknown tag.
