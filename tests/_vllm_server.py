@@ -48,6 +48,18 @@ def venv() -> tuple[Path | None, str]:
     return py, ""
 
 
+def with_rlmem(python: Path) -> str:
+    """Install this checkout into the venv (editable, no dependencies: the venv's torch stays), so that
+    vLLM's processes load rlmem's plugin (its weight-transfer backend); "" or why it could not."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(root)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        return f"could not install rlmem into vLLM's venv: {tail}"
+    return ""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

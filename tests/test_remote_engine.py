@@ -491,3 +491,12 @@ def test_sglang_weights_go_in_its_flattened_bucket_format(standin):
     with pytest.raises(ValueError, match="weights are released"):
         eng.update_weights_from_tensor(named)
     assert srv.dead is None
+
+
+def test_update_weights_is_vllms_and_takes_shared_weights(standin):
+    srv = standin("sglang")
+    with pytest.raises(ValueError, match="update_weights: the vllm flavor"):
+        RemoteEngine(srv.url, "sglang").update_weights(None)
+    eng = RemoteEngine(standin("vllm").url, "vllm")
+    with pytest.raises(ValueError, match="weights must be a SharedWeights, got dict"):
+        eng.update_weights({"w": torch.zeros(2)})

@@ -15,7 +15,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
-from _vllm_server import Server, venv  # noqa: E402
+from _vllm_server import Server, venv, with_rlmem  # noqa: E402
 
 from rlmem.benchmarks.assets import model_dir, tokenizer_and_data  # noqa: E402
 from rlmem.colocate import RemoteError  # noqa: E402
@@ -127,3 +127,51 @@ def test_token_id_prompts_and_samples_grouped_per_prompt(vllm):
     assert [tok.decode(c) for c in got] == engine.generate(PROMPTS, max_new_tokens=8)
     groups = engine.generate(PROMPTS, max_new_tokens=4, temperature=1.0, n=3, seed=1)
     assert len(groups) == 2 and all(len(g) == 3 and all(isinstance(t, str) for t in g) for g in groups)
+
+
+def test_weights_through_rlmems_backend_equal_vllm_from_a_checkpoint(tmp_path):
+    # The trainer's SharedWeights mapped by vLLM's worker (rlmem's "rlmem" weight-transfer backend, loaded
+    # through vLLM's plugin entry point) after optimizer steps: vLLM's greedy output equals vLLM's own from
+    # a checkpoint of the same weights.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlmem.colocate import SharedWeights
+
+    python, why = venv()
+    if python is None:
+        pytest.skip(why)
+    why = with_rlmem(python)
+    assert not why, why  # on a machine that made the venv, installing rlmem there must work
+    tok, _ = tokenizer_and_data(tmp_path / "assets", rows=64)
+    heads = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    path = model_dir("llama", tmp_path / "llama", tok, **heads)
+    cfg = '{"backend": "rlmem"}'
+    server = Server(python, path, tmp_path / "vllm.log", "--weight-transfer-config", cfg)
+    engine = RemoteEngine(server.url, flavor="vllm", timeout=120.0)
+    try:
+        before = engine.generate(PROMPTS, max_new_tokens=8)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        batch = tokenizer(["What is 40+2? 42", "What is 1+2? 3"], return_tensors="pt", padding=True)
+        for _ in range(3):
+            model(**batch, labels=batch["input_ids"]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        weights = SharedWeights(model, device="cpu")
+        engine.update_weights(weights)
+        after = engine.generate(PROMPTS, max_new_tokens=8)
+        ckpt = tmp_path / "ckpt"
+        model.save_pretrained(str(ckpt))
+        tokenizer.save_pretrained(str(ckpt))
+    finally:
+        engine.close()
+        server.close()
+    ref_server = Server(python, ckpt, tmp_path / "vllm-ckpt.log")
+    try:
+        ref = RemoteEngine(ref_server.url, flavor="vllm", timeout=120.0).generate(PROMPTS, max_new_tokens=8)
+    finally:
+        ref_server.close()
+    assert after != before  # the steps changed what it samples
+    assert after == ref, (after, ref, server.tail())

@@ -111,6 +111,7 @@ class RemoteEngine:
         self._info: dict[str, Any] | None = None  # SGLang's /server_info, read once
         self._running = 0  # this engine's generate calls in flight: no sleep meanwhile
         self._idle = threading.Condition()
+        self._handout: Any = None  # vLLM: the shared weights handed to its workers (update_weights)
         self.last_fence: dict[str, Any] | None = None
         self.peer: PeerEngine | None = None
         if member is not None:
@@ -292,6 +293,38 @@ class RemoteEngine:
 
         return self._call("POST", "/update_weights_from_tensor", json={"tensors": share_tensors(pairs)})
 
+    def update_weights(
+        self, weights: SharedWeights, *, sync: bool = True, names: Sequence[str] | None = None
+    ) -> None:
+        """vLLM: load the server's weights from ``weights`` through rlmem's weight-transfer backend (the
+        server started with ``--weight-transfer-config '{"backend": "rlmem"}'``, rlmem installed beside it):
+        the first call hands the shared memory's descriptors to its workers over a private Unix socket
+        (``/init_weight_transfer_engine``), every call ``weights.sync()`` (with ``sync``) and vLLM's
+        ``/start_weight_update``, ``/update_weights`` (``names``: these only), ``/finish_weight_update``.
+
+        Raises:
+            ValueError: another flavor, or ``weights`` not a SharedWeights. RemoteError: the server refused
+            (an unknown backend: its message names the ones it has).
+        """
+        if self.flavor != "vllm":
+            raise ValueError(f"update_weights: the vllm flavor (rlmem's backend), not {self.flavor!r}")
+        if not isinstance(weights, SharedWeights):
+            raise ValueError(f"weights must be a SharedWeights, got {type(weights).__name__}")
+        if self._handout is None or self._handout.weights is not weights:
+            from ._handout import Handout
+
+            if self._handout is not None:
+                self._handout.close()
+            self._handout = Handout(weights)
+            info = {"socket": self._handout.path, "timeout": self.timeout}
+            self._call("POST", "/init_weight_transfer_engine", json={"init_info": info})
+        if sync:
+            weights.sync()
+        self._call("POST", "/start_weight_update", json={})
+        update = {"names": None if names is None else [str(n) for n in names]}
+        self._call("POST", "/update_weights", json={"update_info": update})
+        self._call("POST", "/finish_weight_update", json={})
+
     def stats(self) -> dict[str, Any]:
         """rlmem's server: the cache's shape and what the process holds (``GET /memory``)."""
         if self.flavor != "rlmem":
@@ -345,6 +378,9 @@ class RemoteEngine:
             return False
 
     def close(self) -> None:
+        if self._handout is not None:
+            self._handout.close()
+            self._handout = None
         self._http.close()
 
     # -- plumbing ---------------------------------------------------------------------------------------
