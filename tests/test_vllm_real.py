@@ -136,6 +136,7 @@ def test_weights_through_rlmems_backend_equal_vllm_from_a_checkpoint(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlmem import OffloadConfig, PhaseManager
     from rlmem.colocate import SharedWeights
 
     python, why = venv()
@@ -155,13 +156,21 @@ def test_weights_through_rlmems_backend_equal_vllm_from_a_checkpoint(tmp_path):
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
         batch = tokenizer(["What is 40+2? 42", "What is 1+2? 3"], return_tensors="pt", padding=True)
-        for _ in range(3):
-            model(**batch, labels=batch["input_ids"]).loss.backward()
-            opt.step()
-            opt.zero_grad()
         weights = SharedWeights(model, device="cpu")
-        engine.update_weights(weights)
-        after = engine.generate(PROMPTS, max_new_tokens=8)
+        # As a trainer runs it: the train state offloaded through every rollout, vLLM asleep through every
+        # train phase, and at each rollout the frameworks' order (wake the weights, update them from the
+        # shared copy, offload the train state, wake the KV cache)
+        pm = PhaseManager(model, opt, OffloadConfig(offload_during_rollout=True))
+        pm.add_engine(engine)
+        for _ in range(3):
+            with pm.train():
+                model(**batch, labels=batch["input_ids"]).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            with pm.rollout(sync_weights=lambda: engine.update_weights(weights)):
+                after = engine.generate(PROMPTS, max_new_tokens=8)
+        with pm.train():
+            pass
         ckpt = tmp_path / "ckpt"
         model.save_pretrained(str(ckpt))
         tokenizer.save_pretrained(str(ckpt))
