@@ -16,6 +16,8 @@ Public API:
     comm: suspend(), resume(), memory_stats() of NCCL communicator memory, keeping the process groups.
     colocate: a trainer and a rollout engine in separate processes on one GPU: SharedWeights, the Broker
         (ledger, grant), Member (fenced release, admitted acquire), PeerEngine / serve_engine.
+    integrations: glue to other frameworks (``integrations.trl``: a callback for TRL's GRPOTrainer;
+        ``integrations.hf``, ``integrations.megatron``), each imported on first use.
     RemoteEngine: an inference server (rlmem's, vLLM's or SGLang's endpoints) as a rollout engine;
         ``rlmem serve`` (``rlmem.serve``) is rlmem's, ``rlmem train engine=server`` trains through it.
     estimate_memory, recommend, ModelShape, Workload, PlanOptions, Hardware, MemoryEstimate: the memory
@@ -61,7 +63,7 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("comm", "colocate"):
+    if name in ("comm", "colocate", "integrations"):
         return importlib.import_module(f".{name}", __name__)
     where = _WHERE.get(name)
     if where is None:
@@ -105,6 +107,7 @@ __all__ = [
     "comm",
     "estimate_memory",
     "host_memory_held",
+    "integrations",
     "offload_activations",
     "recommend",
     "token_budget_batches",

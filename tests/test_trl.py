@@ -1,0 +1,147 @@
+"""``rlmem.integrations.trl`` with TRL's own ``GRPOTrainer`` (CPU): training with :class:`RLMemCallback` is
+bit-identical to TRL alone (losses, gradient norms, final weights, the saved optimizer), with gradient
+accumulation, several iterations per generation, a reference model and a resumed checkpoint; the
+optimizer's bytes are away from the device while TRL generates and scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from rlmem.benchmarks.assets import model_dir, tokenizer_and_data  # noqa: E402
+from rlmem.integrations.trl import RLMemCallback, manage  # noqa: E402
+
+PROMPTS = [f"What is {a} plus {b}?" for a, b in zip(range(8), range(3, 11), strict=True)]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trl")
+    tok, _ = tokenizer_and_data(d / "assets", rows=64)
+    return model_dir("qwen2", d / "qwen2", tok)
+
+
+def _reward(completions, **_):
+    return [float(len(c) % 7) for c in completions]  # every character moves it
+
+
+def _train(path, out, *, callbacks=None, manage_it=False, resume=None, watch=None, **over):
+    """TRL's GRPOTrainer on the tiny model: (losses and gradient norms by step, final weights, trainer,
+    the managed callback)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        bf16=False,
+    )
+    cfg.update(over)
+    trainer = trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
+        reward_funcs=[_reward, watch or _zero],
+        args=trl.GRPOConfig(**cfg),
+        train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+        processing_class=AutoTokenizer.from_pretrained(str(path)),
+        callbacks=callbacks,
+    )
+    cb = manage(trainer) if manage_it else None
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [
+        {k: r[k] for k in ("loss", "grad_norm") if k in r} for r in trainer.state.log_history if "loss" in r
+    ]
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return logs, weights, trainer, cb
+
+
+def _zero(completions, **_):
+    return [0.0] * len(completions)
+
+
+def _same(a, b):
+    assert a[0] == b[0] and len(a[0]) > 0  # losses and gradient norms, step by step
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_the_callback_changes_nothing_and_keeps_the_optimizer_away_while_trl_generates(model_path, tmp_path):
+    cb = RLMemCallback()
+    seen: list[int] = []
+
+    def watch(completions, **_):  # TRL scores right after generating, before forward and backward
+        if cb.pm is not None and cb.pm.state is not None:
+            cats = cb.pm.state.stats().categories
+            seen.append(cats["optimizer"].resident_bytes if "optimizer" in cats else -1)
+        return _zero(completions)
+
+    base = _train(model_path, tmp_path / "base")
+    mine = _train(model_path, tmp_path / "cb", callbacks=[cb], watch=watch)
+    _same(base, mine)
+    # from the second step on the optimizer has states, and none of their bytes is resident while TRL
+    # generates and scores
+    assert len(seen) == 3 and seen[1:] == [0, 0], seen
+    assert cb.pm.state.stats().categories["optimizer"].bytes > 0
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, num_generations=4),
+        dict(num_iterations=2, max_steps=4),
+        dict(beta=0.1),
+    ],
+    ids=["grad-accumulation", "two-iterations", "reference"],
+)
+def test_bit_identical_to_trl_alone(model_path, tmp_path, over):
+    base = _train(model_path, tmp_path / "base", **over)
+    mine = _train(model_path, tmp_path / "mine", manage_it=True, **over)
+    _same(base, mine)
+    cb = mine[3]
+    if over.get("beta"):  # the reference is managed: it leaves the device between its scorings
+        assert cb.ref_state is not None and cb.ref_state.stats().categories["params"].bytes > 0
+
+
+def test_a_checkpoint_resumes_to_the_same_weights_and_optimizer(model_path, tmp_path):
+    common = dict(save_strategy="steps", save_steps=2, max_steps=4)
+    whole = _train(model_path, tmp_path / "whole", **common)
+    mine = _train(model_path, tmp_path / "mine", callbacks=[RLMemCallback()], **common)
+    _same(whole, mine)
+    # the optimizer saved while rlmem held its states: what TRL alone saved
+    ref = torch.load(tmp_path / "whole" / "checkpoint-4" / "optimizer.pt", weights_only=False)
+    got = torch.load(tmp_path / "mine" / "checkpoint-4" / "optimizer.pt", weights_only=False)
+    assert ref["state"].keys() == got["state"].keys()
+    assert all(torch.equal(v, got["state"][k][n]) for k, st in ref["state"].items() for n, v in st.items())
+    # a new trainer resumed from step 2 with the callback ends where the whole run did
+    resumed = _train(
+        model_path,
+        tmp_path / "mine",
+        callbacks=[RLMemCallback()],
+        resume=str(tmp_path / "mine" / "checkpoint-2"),
+        **common,
+    )
+    assert all(torch.equal(resumed[1][k], whole[1][k]) for k in whole[1])
+
+
+def test_what_it_cannot_manage_is_refused_clearly():
+    from rlmem.integrations.trl import _inner
+
+    class DeepSpeedOpt:
+        pass
+
+    DeepSpeedOpt.__module__ = "deepspeed.runtime.zero"
+    with pytest.raises(ValueError, match="DeepSpeed optimizer"):
+        _inner(DeepSpeedOpt())
+    with pytest.raises(ValueError, match="no torch optimizer found in object"):
+        _inner(object())
+    with pytest.raises(ValueError, match=r"ref_model must be an nn\.Module"):
+        RLMemCallback(ref_model="ref")
