@@ -12,7 +12,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from rlmem.benchmarks.assets import model_dir, tokenizer_and_data  # noqa: E402
-from rlmem.integrations.trl import RLMemCallback, manage  # noqa: E402
+from rlmem.integrations.trl import RLMemCallback, manage, sampler_rollout  # noqa: E402
 
 PROMPTS = [f"What is {a} plus {b}?" for a, b in zip(range(8), range(3, 11), strict=True)]
 
@@ -28,7 +28,7 @@ def _reward(completions, **_):
     return [float(len(c) % 7) for c in completions]  # every character moves it
 
 
-def _train(path, out, *, callbacks=None, manage_it=False, resume=None, watch=None, **over):
+def _train(path, out, *, callbacks=None, manage_it=False, resume=None, watch=None, rollout_func=None, **over):
     """TRL's GRPOTrainer on the tiny model: (losses and gradient norms by step, final weights, trainer,
     the managed callback)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,6 +55,7 @@ def _train(path, out, *, callbacks=None, manage_it=False, resume=None, watch=Non
         train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]),
         processing_class=AutoTokenizer.from_pretrained(str(path)),
         callbacks=callbacks,
+        rollout_func=rollout_func,
     )
     cb = manage(trainer) if manage_it else None
     trainer.train(resume_from_checkpoint=resume)
@@ -132,6 +133,34 @@ def test_a_checkpoint_resumes_to_the_same_weights_and_optimizer(model_path, tmp_
     assert all(torch.equal(resumed[1][k], whole[1][k]) for k in whole[1])
 
 
+def test_the_sampler_rollout_with_the_weights_away_trains_as_without(model_path, tmp_path, monkeypatch):
+    # TRL's rollout_func on rlmem's sampler, sampling from a bf16 copy: during generation the training weights
+    # and the optimizer states wait in host memory; training is what it is with them kept
+    from rlmem.integrations.hf import HFSampler
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    away: list[tuple[int, int]] = []
+    generate = HFSampler.generate
+
+    def watched(self, *a, **k):
+        cats = mine.callback.pm.state.stats().categories
+        away.append(
+            (cats["params"].resident_bytes, cats.get("optimizer") and cats["optimizer"].resident_bytes)
+        )
+        return generate(self, *a, **k)
+
+    kept = sampler_rollout(offload=False)
+    base = _train(model_path, tmp_path / "kept", rollout_func=kept, callbacks=[kept.callback])
+    mine = sampler_rollout()
+    monkeypatch.setattr(HFSampler, "generate", watched)
+    got = _train(model_path, tmp_path / "away", rollout_func=mine, callbacks=[mine.callback])
+    _same(base, got)
+    assert len(away) == 3 and all(p == 0 for p, _ in away) and all(o == 0 for _, o in away[1:]), away
+    other = sampler_rollout()
+    with pytest.raises(ValueError, match="GRPOConfig sets top_k=5"):  # it would sample otherwise than asked
+        _train(model_path, tmp_path / "topk", rollout_func=other, callbacks=[other.callback], top_k=5)
+
+
 def test_what_it_cannot_manage_is_refused_clearly():
     from rlmem.integrations.trl import _inner
 
@@ -145,3 +174,6 @@ def test_what_it_cannot_manage_is_refused_clearly():
         _inner(object())
     with pytest.raises(ValueError, match=r"ref_model must be an nn\.Module"):
         RLMemCallback(ref_model="ref")
+    for bad, key in ((dict(rollout_dtype=torch.int8), "rollout_dtype"), (dict(batch_size=0), "batch_size")):
+        with pytest.raises(ValueError, match=key):
+            sampler_rollout(**bad)
