@@ -23,6 +23,7 @@ _BENCHES = (
     "real_model",
     "colocate",
     "families",
+    "trl",
 )
 
 

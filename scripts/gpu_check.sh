@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|serve|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -62,6 +62,12 @@ if [[ $what == bench-server ]]; then
   [[ -f bench/results/grpo_server-$name.json ]] && cp "bench/results/grpo_server-$name.json" "$OUT/"
   python3 -m rlmem bench grpo_colocated --engine server --machine "$name" --json "$OUT/grpo_server-$name.json" "$@" \
     2>&1 | tee "$OUT/bench_grpo_server.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == bench-trl ]]; then
+  # TRL's GRPOTrainer alone, with RLMemCallback, and with sampler_rollout (carry trl's wheel in .whl; args go
+  # to rlmem bench trl, e.g. --parts trl,callback)
+  python3 -m rlmem bench trl --machine "$name" --json "$OUT/trl-$name.json" "$@" 2>&1 | tee "$OUT/bench_trl.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == families ]]; then

@@ -5,6 +5,8 @@ optimizer's bytes are away from the device while TRL generates and scores."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -177,3 +179,15 @@ def test_what_it_cannot_manage_is_refused_clearly():
     for bad, key in ((dict(rollout_dtype=torch.int8), "rollout_dtype"), (dict(batch_size=0), "batch_size")):
         with pytest.raises(ValueError, match=key):
             sampler_rollout(**bad)
+
+
+def test_the_benchmark_runs_its_parts_on_the_cpu(tmp_path):
+    # rlmem bench trl off a GPU: TRL alone against the callback (no device memory to read here)
+    from rlmem.benchmarks import trl as bench
+
+    out = tmp_path / "trl.json"
+    argv = ["--device", "cpu", "--json", str(out), "--parts", "trl,callback", "--steps", "2", "--group", "2"]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["summary"]["bit_identical"] is True and data["summary"]["optimizer_gib"] > 0
+    assert all(len(data["results"][p]["steps"]) == 2 for p in ("trl", "callback"))
