@@ -44,7 +44,7 @@ _WHERE = {
     "Handle": ".memory",
     "Region": ".memory",
     "RegionStats": ".memory",
-    "host_memory_held": ".memory._pinned",
+    "host_memory_held": ".memory",
     "MemoryLeakWarning": ".monitor",
     "MemoryTimeline": ".monitor",
     "Hardware": ".plan",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory._pinned import HostBuffer
+from ..memory import HostBuffer
 
 _ALIGN = 512
 _MIN_SLAB = 256 << 20

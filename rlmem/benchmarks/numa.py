@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from ..memory import _numa
-from ..memory._pinned import HostBuffer
+from ..memory import HostBuffer, _numa
 from ._common import format_table, median
 from ._harness import Run
 

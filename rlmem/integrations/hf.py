@@ -29,12 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import check_choice, check_flag
+from .._checks import check_choice, check_flag, check_tags
 from .._units import round_up
 from ..memory.region import Region
 from ..plan.shapes import kv_bytes_per_token as _kv_bytes
 from ..train._dtensor import is_dtensor as _is_dtensor
-from ..train._engines import check_tags
 from ._fused import fused as _fused
 from ._fused import kernels
 from ._gqa import grouped_decode

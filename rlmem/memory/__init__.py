@@ -8,8 +8,9 @@ process (:class:`SharedLayout`, ``Region.export`` / ``Region.attach``), and the 
 accounting. The bottom layer: it imports only :mod:`rlmem.errors` and :mod:`rlmem._units`.
 """
 
+from ._pinned import HostBuffer, host_memory_held
 from .backend import Backend
 from .region import Handle, Region, RegionStats
 from .sharing import SharedLayout
 
-__all__ = ["Backend", "Handle", "Region", "RegionStats", "SharedLayout"]
+__all__ = ["Backend", "Handle", "HostBuffer", "Region", "RegionStats", "SharedLayout", "host_memory_held"]

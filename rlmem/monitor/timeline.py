@@ -31,7 +31,7 @@ import torch
 
 from .._results import Result
 from .._units import GiB, MiB
-from ..memory._pinned import host_memory_held
+from ..memory import host_memory_held
 
 __all__ = ["Leak", "MemoryLeakWarning", "MemoryTimeline", "PhaseRecord", "PhaseSummary"]
 
