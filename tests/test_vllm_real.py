@@ -26,16 +26,20 @@ PROMPTS = ["What is 1+2? Put the answer in \\boxed{}.", "What is 40+2?"]
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
-    """(server, engine, tokenizer)"""
+    """(server, engine, tokenizer); the server takes weights through rlmem's backend too (rlmem installed in
+    its venv), and its model's directory is ``server.model``."""
     python, why = venv()
     if python is None:
         pytest.skip(why)
+    why = with_rlmem(python)
+    assert not why, why  # on a machine that made the venv, installing rlmem there must work
     d = tmp_path_factory.mktemp("vllm")
     tok, _ = tokenizer_and_data(d / "assets", rows=64)
     # vLLM's CPU attention takes head dimensions from 32 up (the families' tiny models have 16)
     heads = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     model = model_dir("llama", d / "llama", tok, **heads)
-    server = Server(python, model, d / "vllm.log")
+    server = Server(python, model, d / "vllm.log", "--weight-transfer-config", '{"backend": "rlmem"}')
+    server.model, server.python = model, python
     engine = RemoteEngine(server.url, flavor="vllm", timeout=60.0)
     from transformers import AutoTokenizer
 
@@ -129,31 +133,21 @@ def test_token_id_prompts_and_samples_grouped_per_prompt(vllm):
     assert len(groups) == 2 and all(len(g) == 3 and all(isinstance(t, str) for t in g) for g in groups)
 
 
-def test_weights_through_rlmems_backend_equal_vllm_from_a_checkpoint(tmp_path):
+def test_weights_through_rlmems_backend_equal_vllm_from_a_checkpoint(vllm, tmp_path):
     # The trainer's SharedWeights mapped by vLLM's worker (rlmem's "rlmem" weight-transfer backend, loaded
     # through vLLM's plugin entry point) after optimizer steps: vLLM's greedy output equals vLLM's own from
-    # a checkpoint of the same weights.
+    # a checkpoint of the same weights; and the first weights sent back give the first outputs again.
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from rlmem import OffloadConfig, PhaseManager
     from rlmem.colocate import SharedWeights
 
-    python, why = venv()
-    if python is None:
-        pytest.skip(why)
-    why = with_rlmem(python)
-    assert not why, why  # on a machine that made the venv, installing rlmem there must work
-    tok, _ = tokenizer_and_data(tmp_path / "assets", rows=64)
-    heads = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
-    path = model_dir("llama", tmp_path / "llama", tok, **heads)
-    cfg = '{"backend": "rlmem"}'
-    server = Server(python, path, tmp_path / "vllm.log", "--weight-transfer-config", cfg)
+    server, _, tokenizer = vllm
     engine = RemoteEngine(server.url, flavor="vllm", timeout=120.0)
     try:
         before = engine.generate(PROMPTS, max_new_tokens=8)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(server.model), dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
         batch = tokenizer(["What is 40+2? 42", "What is 1+2? 3"], return_tensors="pt", padding=True)
         weights = SharedWeights(model, device="cpu")
@@ -174,10 +168,14 @@ def test_weights_through_rlmems_backend_equal_vllm_from_a_checkpoint(tmp_path):
         ckpt = tmp_path / "ckpt"
         model.save_pretrained(str(ckpt))
         tokenizer.save_pretrained(str(ckpt))
+        # back to the first weights (the server is the module's): its first outputs again
+        engine.wake()
+        first = AutoModelForCausalLM.from_pretrained(str(server.model), dtype=torch.float32)
+        engine.update_weights(SharedWeights(first, device="cpu"))
+        assert engine.generate(PROMPTS, max_new_tokens=8) == before
     finally:
         engine.close()
-        server.close()
-    ref_server = Server(python, ckpt, tmp_path / "vllm-ckpt.log")
+    ref_server = Server(server.python, ckpt, tmp_path / "vllm-ckpt.log")
     try:
         ref = RemoteEngine(ref_server.url, flavor="vllm", timeout=120.0).generate(PROMPTS, max_new_tokens=8)
     finally:
