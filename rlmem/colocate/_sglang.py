@@ -133,21 +133,12 @@ def sampling_params(max_new_tokens: int, temperature: float, sampling: Mapping[s
     return out
 
 
-def completions(out: Any, prompts: int, n: int, ids: bool, url: str) -> list[Any]:
-    """The texts (token ids for token-id prompts) of ``/generate``'s answer, grouped ``n`` per prompt.
-
-    Raises:
-        RuntimeError: a completion came back aborted (cut short on the server's side).
-    """
+def completions(out: Any, ids: bool) -> tuple[list[Any], int]:
+    """The texts (token ids for token-id prompts) of ``/generate``'s answer, in its order (prompt-major),
+    and how many came back aborted (cut short on the server's side)."""
     rows = out if isinstance(out, list) else [out]
     cut = sum(((r.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort" for r in rows)
-    if cut:
-        raise RuntimeError(
-            f"sglang server at {url}: {cut} of {len(rows)} completions came back aborted (finish_reason "
-            "'abort'); the server cut them short"
-        )
-    got = [list(r["output_ids"]) if ids else r["text"] for r in rows]
-    return got if n == 1 else [got[i * n : (i + 1) * n] for i in range(prompts)]
+    return [list(r["output_ids"]) if ids else r["text"] for r in rows], cut
 
 
 @dataclasses.dataclass

@@ -229,11 +229,8 @@ class RemoteEngine:
                 body["input_ids"] = [[int(t) for t in p] for p in prompts]
             else:
                 body["text"] = list(prompts)
-            out = self._call("POST", "/generate", json=body)
-            try:
-                return _sglang.completions(out, len(prompts), int(params.get("n", 1)), ids, self.url)
-            except RuntimeError as e:
-                raise RemoteError(str(e)) from None
+            outs, cut = _sglang.completions(self._call("POST", "/generate", json=body), ids)
+            return self._grouped(outs, cut, int(params.get("n", 1)), len(prompts))
         if ids:
             body = {"input_ids": [[int(t) for t in p] for p in prompts], "max_new_tokens": max_new_tokens}
             out = self._call("POST", "/generate", json={**body, "temperature": temperature, **sampling})
@@ -254,14 +251,22 @@ class RemoteEngine:
         out = self._call("POST", "/v1/completions", json=body)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         cut = sum(c.get("finish_reason") == "abort" for c in choices)
-        if cut:  # aborted on the server's side (a sleep or pause that aborts): cut short, never a completion
-            raise RemoteError(
-                f"vllm server at {self.url}: {cut} of {len(choices)} completions came back aborted "
-                "(finish_reason 'abort'); a sleep or pause of the server cut them short"
-            )
         outs = [list(c["token_ids"]) if ids else c["text"] for c in choices]
-        n = int(sampling.get("n", 1))
-        return outs if n == 1 else [outs[i * n : (i + 1) * n] for i in range(len(prompts))]
+        return self._grouped(outs, cut, int(sampling.get("n", 1)), len(prompts))
+
+    def _grouped(self, outs: list[Any], cut: int, n: int, prompts: int) -> list[Any]:
+        """``outs`` (prompt-major) grouped ``n`` per prompt.
+
+        Raises:
+            RemoteError: ``cut`` of them came back aborted (a sleep or pause of the server cut them short):
+                never returned as completions.
+        """
+        if cut:
+            raise RemoteError(
+                f"{self.flavor} server at {self.url}: {cut} of {len(outs)} completions came back aborted "
+                "(finish_reason 'abort'); the server cut them short"
+            )
+        return outs if n == 1 else [outs[i * n : (i + 1) * n] for i in range(prompts)]
 
     def update_weights_from_tensor(self, named: Any) -> dict[str, Any]:
         """Send ``named`` tensors (a mapping or ``(name, tensor)`` pairs) by handle (CUDA IPC, or shared
@@ -365,8 +370,9 @@ class RemoteEngine:
         Raises:
             ConnectionError: it does not answer. RemoteError: it answers with an error.
         """
-        out = self._call("GET", self._health_path())
-        if out is None or self._health_path() != "/health":  # vLLM's and SGLang's: 200 and no body
+        path = self._health_path()
+        out = self._call("GET", path)
+        if out is None or path != "/health":  # vLLM's and SGLang's: 200 and no body (or the server info)
             return {"status": "ok"}
         return out if isinstance(out, dict) else {"status": out}
 
