@@ -139,6 +139,13 @@ def spawn_part(
     return json.loads(lines[-1])
 
 
+def visible_gpus() -> list[str]:
+    """This process's GPUs as ``CUDA_VISIBLE_DEVICES`` entries for a child (one GPU each)."""
+    n = torch.cuda.device_count()
+    named = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return named[:n] if named else [str(i) for i in range(n)]
+
+
 def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)

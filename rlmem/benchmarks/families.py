@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ._common import format_table, package_version
+from ._common import format_table, package_version, visible_gpus
 from ._harness import Run
 from .assets import FAMILIES, model_dir, tokenizer_and_data
 
@@ -135,15 +135,6 @@ def _table(cells: list[dict[str, Any]]) -> str:
     return format_table(rows, [("family", "family", "s")] + [(col, col, "s") for col in cols])
 
 
-def _visible_gpus() -> list[str]:
-    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries for a child."""
-    import torch
-
-    n = torch.cuda.device_count()
-    named = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
-    return named[:n] if named else [str(i) for i in range(n)]
-
-
 def _run_spread(
     cells: list[dict[str, Any]], jobs_per_gpu: int, gpus: list[str | None], run: Any
 ) -> list[dict[str, Any]]:
@@ -211,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         c["data"] = args.data
     jobs = args.jobs or (6 if gpu else 2)
     device = run_.device.type  # rlmem train takes cpu or cuda (the rank picks the GPU)
-    gpus: list[str | None] = _visible_gpus() if gpu else [None]
+    gpus: list[str | None] = list(visible_gpus()) if gpu else [None]
     with tempfile.TemporaryDirectory() as tmp:
         assets = Path(args.keep or tmp)
         tok, _ = tokenizer_and_data(assets)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ._common import format_table, spawn_part
+from ._common import format_table, spawn_part, visible_gpus
 from ._harness import Run
 
 NAME = "real_model"
@@ -141,12 +140,6 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-def _gpu_entry(i: int) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` entry of this process's ``i``-th GPU."""
-    named = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
-    return named[i] if named else str(i)
-
-
 def main(argv: list[str] | None = None) -> int:
     run_ = Run(NAME, __doc__.splitlines()[0], TARGETS)
     p = run_.parser
@@ -176,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parts = [x for x in args.parts.split(",") if x]
     if not parts or any(x not in PARTS for x in parts):
         run_.error(f"--parts must be a comma-separated subset of {', '.join(PARTS)}")
-    if args.side_by_side and torch.cuda.device_count() < len(parts):
-        n = torch.cuda.device_count()
-        run_.error(f"--side-by-side runs {len(parts)} parts, each on a GPU of its own: {n} GPU(s) seen")
+    gpus = visible_gpus()
+    if args.side_by_side and len(gpus) < len(parts):
+        run_.error(f"--side-by-side runs {len(parts)} parts, one GPU each: {len(gpus)} GPU(s) seen")
     mine = ("--merge", "--side-by-side")
     forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in mine]
     res: dict[str, Any] = run_.previous() if args.merge else {}
@@ -188,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         # cuBLAS picks deterministic reductions only with a fixed workspace, set before CUDA starts.
         env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
         if args.side_by_side:
-            env["CUDA_VISIBLE_DEVICES"] = _gpu_entry(i)
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
         out = spawn_part("rlmem.benchmarks.real_model", part, forward, env=env)
         out["invocation"] = invocation
         if args.side_by_side:
