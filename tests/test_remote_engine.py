@@ -79,10 +79,10 @@ class _SGLangUnpickler(pickle.Unpickler):
     """SGLang's SafeUnpickler's allow-list (utils/common.py:2794-2866: torch., its bucket module); and
     multiprocessing's fd sharing, which a host tensor's handle (this test's; SGLang's are CUDA) needs."""
 
-    ALLOWED = ("torch.", "torch", "sglang.srt.weight_sync.tensor_bucket", "multiprocessing.resource_sharer")
+    ALLOWED = ("torch", "sglang.srt.weight_sync.tensor_bucket", "multiprocessing.resource_sharer")
 
     def find_class(self, module, name):
-        if not any(module == a or module.startswith(a + ".") or module.startswith(a) for a in self.ALLOWED):
+        if not any(module == a or module.startswith(a + ".") for a in self.ALLOWED):
             raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
         if module == _BUCKET.__name__:
             return getattr(_BUCKET, name)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from .._checks import check_flag
 from ..train import OffloadConfig, PhaseManager, TrainState
@@ -62,13 +63,7 @@ def _inner(optimizer: Any) -> torch.optim.Optimizer:
     raise ValueError(f"RLMemCallback: no torch optimizer found in {type(optimizer).__name__}")
 
 
-def _callback_base() -> type:
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-class RLMemCallback(_callback_base()):  # type: ignore[misc]
+class RLMemCallback(TrainerCallback):
     """A ``transformers.TrainerCallback`` for TRL's ``GRPOTrainer`` (see the module docstring).
 
     Args:
