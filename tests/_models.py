@@ -111,3 +111,15 @@ def reference(model: nn.Module, prompt: list[int], n: int) -> list[int]:
         pad_token_id=0,
     )[0, len(prompt) :].tolist()
     return out[: out.index(2) + 1] if 2 in out else out
+
+
+def near_greedy(model: nn.Module, prompt: list[int], got: list[int], rel: float = 1e-2) -> list[int]:
+    """The steps where ``got`` is not a greedy choice of ``model`` fed its own tokens: a token whose logit
+    sits more than ``rel`` of the step's largest magnitude below the best. A rounding that differs in the
+    last bit (a fused GEMM) may flip a near-tie, never pick a far token."""
+    ids = torch.tensor([prompt + got], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    best = logits.max(-1).values
+    chosen = logits.gather(-1, torch.tensor(got, device=logits.device)[:, None])[:, 0]
+    return [i for i, (b, c, row) in enumerate(zip(best, chosen, logits)) if b - c > rel * row.abs().max()]

@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from _models import PROMPTS, grouped_model, reference, tiny_qwen2  # noqa: E402
+from _models import PROMPTS, grouped_model, near_greedy, reference, tiny_qwen2  # noqa: E402
 
 from rlmem import OffloadConfig, PhaseManager  # noqa: E402
 from rlmem.integrations.hf import HFSampler, kv_bytes_per_token  # noqa: E402
@@ -102,7 +102,8 @@ def test_autocast_over_fp32_weights_writes_the_cache_in_the_compute_dtype(family
     """Under autocast Qwen3's key RMSNorm (an fp32 weight times bf16) gives fp32 keys beside bf16 values: the
     static cache took the keys' dtype and a bf16 write failed, or kept fp32 keys. Every layer now holds both
     in the compute dtype, and the model computes as in training: greedy tokens are ``generate()``'s under
-    the same autocast (fp16: bf16 leaves near-ties on these random models)."""
+    the same autocast (fp16: bf16 leaves near-ties on these random models), or with the fused projections
+    (whose GEMM rounds its own way: on an H200 one near-tie of qwen2 flipped) each a near-greedy choice."""
     model = grouped_model(family, device)
     prompts = [[5, 9, 3], [7, 1, 4, 4, 8], [11, 12], [20]]
     for dtype in (torch.bfloat16, torch.float16):
@@ -114,7 +115,10 @@ def test_autocast_over_fp32_weights_writes_the_cache_in_the_compute_dtype(family
             assert dtypes == {dtype}, (dtype, fused)
             if dtype == torch.float16:
                 with torch.autocast(device, dtype=dtype):
-                    assert got == [reference(model, p, 10) for p in prompts], fused
+                    if fused == "off":
+                        assert got == [reference(model, p, 10) for p in prompts]
+                    else:  # a fused GEMM rounds its own way: a near-tie may flip, no far token is chosen
+                        assert all(not near_greedy(model, p, g) for p, g in zip(prompts, got))
 
 
 class _NoCacheLM(torch.nn.Module):
