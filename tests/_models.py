@@ -122,4 +122,5 @@ def near_greedy(model: nn.Module, prompt: list[int], got: list[int], rel: float 
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     best = logits.max(-1).values
     chosen = logits.gather(-1, torch.tensor(got, device=logits.device)[:, None])[:, 0]
-    return [i for i, (b, c, row) in enumerate(zip(best, chosen, logits)) if b - c > rel * row.abs().max()]
+    far = best - chosen > rel * logits.abs().max(-1).values
+    return far.nonzero()[:, 0].tolist()

@@ -231,3 +231,33 @@ def test_activations_auto_overhead_is_over_the_interleaved_steps_at_every_point(
     assert s["auto_overhead_small_max"] == pytest.approx(0.0836 / 0.0820 - 1)
     assert s["auto_by_model"]["mixtral-small"]["hidden"] == pytest.approx(30 / (50 * GB * 0.05))
     assert "hidden" not in s["auto_by_model"]["gpt2-tied"]  # no none at its point: no forward time
+
+
+def test_activations_summary_of_the_main_model_run_with_auto_alone_keeps_the_auto_figures():
+    """``--only rlmem:auto`` on qwen2-2.5b leaves its points without the ``none`` contender the grid's
+    figures divide by: the summary keeps the auto figures instead of failing after the measurements."""
+    link = {"d2h_bytes_per_s": 50 * GB, "h2d_bytes_per_s": 50 * GB}
+    auto = {**_row(1.02, off=int(15 * GB)), "interleaved": True, "none_step_s": 1.0}
+    s = activations.summarize({"qwen2-2.5b": {"2x2048": {"rlmem:auto": auto}}}, link)
+    assert "best_config_at_5pct" not in s and "link_bound_bytes" not in s
+    assert s["auto_by_model"]["qwen2-2.5b"]["offloaded_bytes"] == int(15 * GB)
+
+
+def test_merge_refuses_a_file_measured_on_another_device(tmp_path):
+    import json
+
+    from rlmem.benchmarks._harness import Run
+
+    path = tmp_path / "x.json"
+    run = Run("x", "a benchmark")
+    run.parse(["--device", "cpu", "--json", str(path)])
+    assert run.previous_file() == {}  # nothing yet
+    here = {"device": {"name": "elsewhere"}, "results": {"a": 1}}
+    path.write_text(json.dumps(here))
+    with pytest.raises(SystemExit):
+        run.previous_file()
+    from rlmem.benchmarks._common import environment
+
+    here["device"] = environment(run.device)["device"]
+    path.write_text(json.dumps(here))
+    assert run.previous() == {"a": 1}

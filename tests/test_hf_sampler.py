@@ -118,7 +118,7 @@ def test_autocast_over_fp32_weights_writes_the_cache_in_the_compute_dtype(family
                     if fused == "off":
                         assert got == [reference(model, p, 10) for p in prompts]
                     else:  # a fused GEMM rounds its own way: a near-tie may flip, no far token is chosen
-                        assert all(not near_greedy(model, p, g) for p, g in zip(prompts, got))
+                        assert all(not near_greedy(model, p, g) for p, g in zip(prompts, got, strict=True))
 
 
 class _NoCacheLM(torch.nn.Module):

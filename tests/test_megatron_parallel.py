@@ -55,6 +55,7 @@ def test_two_gpus(tmp_path):
     s = data["summary"]
     assert s["tp2_bit_identical"] and s["tp2_sp_bit_identical"] and s["pp2_bit_identical"]
     assert s["dp2_distopt_bit_identical"]
+    assert s["act_grads_bit_equal"] and s["act_grads_layouts"] == ["tp2", "tp2-sp"]  # SP off and on
     assert s["freed_fraction_min"] >= 0.99 - 64 * 2**20 / min(
         x["held_bytes"] for r in data["results"].values() for x in r["ranks"]
     )

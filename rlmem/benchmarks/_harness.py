@@ -25,6 +25,12 @@ from ._common import check_targets, environment, machine_name, summary_lines, ta
 __all__ = ["Run", "results_dir"]
 
 
+def _card(machine: str) -> str | None:
+    """The card of a machine name (``nvidia-h100-x2`` -> ``h100``), None for other names."""
+    parts = machine.split("-")
+    return parts[1] if len(parts) == 3 and parts[0] == "nvidia" else None
+
+
 def results_dir() -> Path | None:
     """``bench/results`` of the checkout rlmem runs from, or None for an installed copy (print only)."""
     d = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -63,6 +69,10 @@ class Run:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.machine = self.args.machine or machine_name(dev)
+        here = machine_name(dev)
+        if self.args.machine and _card(self.machine) and _card(here) and _card(self.machine) != _card(here):
+            # a file named for one card holding another card's figures would be read as the named one's
+            self.error(f"--machine {self.machine!r} names another card than this device's ({here!r})")
         return self.args
 
     def error(self, message: str) -> None:
@@ -84,13 +94,26 @@ class Run:
         d = results_dir()
         return None if d is None else d / f"{self.name}-{self.machine}.json"
 
-    def previous(self) -> dict[str, Any]:
-        """The ``results`` of the JSON file this run would write, if it exists (for benchmarks whose parts
-        are measured in separate calls and merged)."""
+    def previous_file(self) -> dict[str, Any]:
+        """The JSON file this run would write, if it exists (for benchmarks whose parts are measured in
+        separate calls and merged).
+
+        Raises:
+            SystemExit: (a usage error) the file was measured on another device: merged, its figures would
+                sit under this device's name.
+        """
         p = self.json_path
         if p is None or not p.is_file():
             return {}
-        return json.loads(p.read_text()).get("results", {})
+        old = json.loads(p.read_text())
+        was, now = old.get("device", {}).get("name"), environment(self.device)["device"]["name"]
+        if was is not None and was != now:
+            self.error(f"--merge: {p} was measured on {was!r}, this run is on {now!r} (merge in one device)")
+        return old
+
+    def previous(self) -> dict[str, Any]:
+        """The ``results`` of :meth:`previous_file`."""
+        return self.previous_file().get("results", {})
 
     def finish(
         self,

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
-import os
 import time
 from typing import Any
 
@@ -443,7 +441,9 @@ def summarize(
         return out
     long = [k for k in main if main[k].get("long")]
     pts = sorted((k for k in main if k not in long), key=_size)
-    big = main[pts[-1]]
+    big = main[pts[-1]] if pts else {}
+    if "none" not in big:  # only some contenders ran (--only): the grid's figures need the baseline
+        return out
     none = big["none"]
     d2h = link["d2h_bytes_per_s"]
     bound = d2h * (none["forward_s"] + 0.05 * none["step_s"])
@@ -522,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auto-pairs", type=int, default=15, help="timed rlmem:auto steps (each paired)")
     p.add_argument("--merge", action="store_true", help="keep models of an existing JSON not run now")
     args = run_.parse(argv)
+    old = run_.previous_file() if args.merge else {}  # read first: a file of another device is refused
     if not run_.needs_cuda():
         return 2
     device = run_.device
@@ -591,12 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    path = run_.json_path
     # The link rates each model's figures were measured with (ratios count only within one run).
     model_links = {m: link for m in res}
-    if args.merge and path and os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+    if old:
         for m, r in old.get("results", {}).items():
             if m in res:  # points of a model run now that were not run now, contenders of a point not run now
                 kept = {k: v for k, v in r.items() if k not in res[m]}

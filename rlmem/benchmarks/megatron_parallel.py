@@ -14,13 +14,13 @@ hard-code CUDA), Megatron's device and CUDA RNG fork redirected to the host, and
 
 Per rank and step: the bytes the offload freed (``cudaMemGetInfo``; on the CPU what stays resident) over
 what the state holds, the offload's and the reload's rate over the pinned copy rates measured on that rank
-in the same run, reads of the weights and main parameters while away, and, for ``tp2``, one step's
-gradients with every Megatron activation name offloaded against without. Summary: ``tp2_bit_identical``,
+in the same run, reads of the weights and main parameters while away, and, for ``tp2`` and ``tp2-sp``, one
+step's gradients with every Megatron activation name offloaded against without. Summary: ``tp2_bit_identical``,
 ``pp2_bit_identical``, ``dp2_distopt_bit_identical`` (losses, weights and main parameters equal the
 reference's bit for bit on every rank; ``dp2_bit_identical`` on the CPU, without the distributed
 optimizer), ``tp2_sp_bit_identical``, ``freed_fraction_min``,
 ``offload_vs_pinned_min``, ``reload_vs_pinned_min`` (every rank, every step after the first),
-``act_grads_bit_equal``.
+``act_grads_bit_equal`` (over ``act_grads_layouts``).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def run_part(layout: str, shape: dict[str, int], steps: int, device: torch.devic
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     tr = _Trainer(layout, shape, device)
     link = link_rates(device, 256 << 20) if device.type == "cuda" else None
-    act = tr.activations() if layout == "tp2" else None
+    act = tr.activations() if layout in ("tp2", "tp2-sp") else None  # tensor parallel, with SP and without
     ref, ref_opt = tr.build(0)
     ref_losses = [tr.step(ref, ref_opt) for _ in range(steps)]
     ddp, opt = tr.build(0)
@@ -336,8 +336,10 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         s[keys[layout]] = ok
         steady += [c for x in ranks for c in x["cycles"][1:]]  # the first cycle makes the pinned backups
         act = [x["act_grads_equal"] for x in ranks if x["act_grads_equal"] is not None]
-        if act:
-            s["act_grads_bit_equal"] = all(act) and all(x["act_offloaded_bytes"] > 0 for x in ranks)
+        if act:  # over every layout that measured it
+            ok = all(act) and all(x["act_offloaded_bytes"] > 0 for x in ranks)
+            s["act_grads_bit_equal"] = s.get("act_grads_bit_equal", True) and ok
+            s.setdefault("act_grads_layouts", []).append(layout)
     if steady:
         s["freed_fraction_min"] = min(c["freed_fraction"] for c in steady)
         for k in ("offload_vs_pinned", "reload_vs_pinned"):
