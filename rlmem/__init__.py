@@ -15,11 +15,14 @@ Public API:
     ModuleMap: module-path patterns for models whose layout rlmem does not recognise.
     comm: suspend(), resume(), memory_stats() of NCCL communicator memory, keeping the process groups.
     colocate: a trainer and a rollout engine in separate processes on one GPU: SharedWeights, the Broker
-        (ledger, grant), Member (fenced release, admitted acquire), PeerEngine / serve_engine.
-    integrations: glue to other frameworks (``integrations.trl``: a callback for TRL's GRPOTrainer;
-        ``integrations.hf``, ``integrations.megatron``), each imported on first use.
+        (ledger, grant), Member (fenced release, admitted acquire).
+    rollout: the rollout engines: the Engine protocol, HFSampler (rlmem's sampler, its KV cache a Region),
+        PeerEngine (a rollout process through the broker), RemoteEngine, ServerRollout.
+    HFSampler: a batched sampler for Hugging Face causal LMs whose KV cache is a Region.
     RemoteEngine: an inference server (rlmem's, vLLM's or SGLang's endpoints) as a rollout engine;
         ``rlmem serve`` (``rlmem.serve``) is rlmem's, ``rlmem train engine=server`` trains through it.
+    integrations: glue to other frameworks (``integrations.trl``: a callback for TRL's GRPOTrainer;
+        ``integrations.megatron``; ``integrations.vllm_transfer``), each imported on first use.
     estimate_memory, recommend, ModelShape, Workload, PlanOptions, Hardware, MemoryEstimate: the memory
         planner behind ``rlmem plan`` (what a step and a rollout take, which options make them fit).
     token_budget_batches: variable-length sequences into micro-batches under a token budget, the same
@@ -58,12 +61,13 @@ _WHERE = {
     "OffloadConfig": ".train",
     "PhaseManager": ".train",
     "TrainState": ".train",
-    "RemoteEngine": ".colocate",
+    "RemoteEngine": ".rollout",
+    "HFSampler": ".rollout",
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("comm", "colocate", "integrations"):
+    if name in ("comm", "colocate", "integrations", "rollout"):
         return importlib.import_module(f".{name}", __name__)
     where = _WHERE.get(name)
     if where is None:
@@ -84,6 +88,7 @@ __all__ = [
     "CheckpointHandle",
     "CudaError",
     "Engine",
+    "HFSampler",
     "Handle",
     "Hardware",
     "HostOutOfMemoryError",
@@ -108,6 +113,7 @@ __all__ = [
     "estimate_memory",
     "host_memory_held",
     "integrations",
+    "rollout",
     "offload_activations",
     "recommend",
     "token_budget_batches",

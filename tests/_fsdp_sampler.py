@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from _helpers import spawn_ranks
 from _models import PROMPTS, tiny_qwen2
 
-from rlmem.integrations.hf import HFSampler
+from rlmem.rollout import HFSampler
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: str) -> None:

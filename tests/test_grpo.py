@@ -139,7 +139,7 @@ def test_rollout_dtype_defaults_to_the_autocast_dtype_on_a_gpu():
 
 
 def test_rollout_from_a_bf16_copy_is_synced_every_step(tmp_path, monkeypatch):
-    from rlmem.integrations.hf import HFSampler
+    from rlmem.rollout import HFSampler
 
     synced = []
     orig = HFSampler.sync_weights

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from _models import PROMPTS, grouped_model, near_greedy, reference, tiny_qwen2  # noqa: E402
 
 from rlmem import OffloadConfig, PhaseManager  # noqa: E402
-from rlmem.integrations.hf import HFSampler, kv_bytes_per_token  # noqa: E402
+from rlmem.rollout.sampler import HFSampler, kv_bytes_per_token  # noqa: E402
 
 
 def test_batched_greedy_matches_unbatched_generate(device):
@@ -399,7 +399,7 @@ def test_rollout_copy_in_its_own_dtype_and_region(device):
 def test_fused_pieces_are_the_models_own_arithmetic():
     # Off a GPU the fused functions run uncompiled: op for op the model's own, so logits are bit-equal;
     # inside the block the known modules are swapped, outside nothing is left of it.
-    from rlmem.integrations import _fused
+    from rlmem.rollout import _fused
 
     model = tiny_qwen2("cpu")
     modeling = transformers.models.qwen2.modeling_qwen2
@@ -423,7 +423,7 @@ def test_fused_pieces_are_the_models_own_arithmetic():
 
 
 def test_fused_leaves_other_models_alone():
-    from rlmem.integrations import _fused
+    from rlmem.rollout import _fused
 
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=14, n_positions=32)
     model = transformers.GPT2LMHeadModel(cfg).eval()

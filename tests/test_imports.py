@@ -110,10 +110,8 @@ PRIVATE_MODULE_USES = {
     ("rlmem.benchmarks._common", "rlmem.memory._cuda"): "the GPU's name from the driver, no CUDA context",
     ("rlmem.benchmarks.vmm_calls", "rlmem.memory._cuda"): "it times the driver's VMM calls themselves",
     ("rlmem.benchmarks.numa", "rlmem.memory._numa"): "it measures the placement itself",
-    ("rlmem.benchmarks.rollout", "rlmem.integrations._gqa"): "it times the grouped decode kernel",
-    ("rlmem.benchmarks.colocate_roles", "rlmem.colocate._device"): "free memory without a CUDA context",
-    # FSDP2 and Megatron adoption live in train/; the sampler and the Megatron glue read them
-    ("rlmem.integrations.hf", "rlmem.train._dtensor"): "whether a parameter is FSDP2's, as TrainState judges",
+    ("rlmem.benchmarks.rollout", "rlmem.rollout._gqa"): "it times the grouped decode kernel",
+    # Megatron adoption lives in train/; the Megatron glue reads it
     ("rlmem.integrations.megatron", "rlmem.train._megatron"): "Megatron's storages as TrainState adopts them",
 }
 
@@ -142,10 +140,26 @@ def test_rlmem_report_does_not_import_the_training_loop(tmp_path):
         "import sys\n"
         "from rlmem.cli import main\n"
         f"main(['report', {str(tmp_path)!r}])\n"
-        "loaded = [m for m in ('rlmem.recipes.grpo', 'rlmem.recipes.policy', 'rlmem.integrations.hf') "
+        "loaded = [m for m in ('rlmem.recipes.grpo', 'rlmem.recipes.policy', 'rlmem.rollout.sampler') "
         "if m in sys.modules]\n"
         "print('LOADED', loaded)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "LOADED []" in out.stdout, out.stdout + out.stderr
     assert "has no timeline.jsonl" in out.stderr
+
+
+def test_names_published_before_the_rollout_package_still_resolve():
+    import rlmem.colocate
+    import rlmem.integrations.hf
+    import rlmem.rollout
+    import rlmem.train
+
+    assert rlmem.integrations.hf.HFSampler is rlmem.rollout.HFSampler is rlmem.HFSampler
+    assert rlmem.RemoteEngine is rlmem.colocate.RemoteEngine is rlmem.rollout.RemoteEngine
+    assert rlmem.colocate.PeerEngine is rlmem.rollout.PeerEngine
+    assert rlmem.colocate.serve_engine is rlmem.rollout.serve_engine
+    assert rlmem.colocate.FLAVORS is rlmem.rollout.FLAVORS
+    assert rlmem.train.Engine is rlmem.Engine is rlmem.rollout.Engine
+    for name in rlmem.colocate.__all__ + rlmem.rollout.__all__:
+        getattr(rlmem.colocate if name in rlmem.colocate.__all__ else rlmem.rollout, name)

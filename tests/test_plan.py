@@ -67,7 +67,7 @@ def test_presets_and_kv_bytes() -> None:
     shape = ModelShape.load("qwen2-2.5b")
     assert shape.num_params() == pytest.approx(2.47e9, rel=0.005)
     transformers = pytest.importorskip("transformers")
-    from rlmem.integrations.hf import kv_bytes_per_token
+    from rlmem.rollout import kv_bytes_per_token
 
     cfg = transformers.Qwen2Config(**{k: v for k, v in SMALL.items() if k != "model_type"})
     assert ModelShape.load(SMALL).kv_bytes_per_token(2) == kv_bytes_per_token(cfg, torch.bfloat16)

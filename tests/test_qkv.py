@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from _models import grouped_model, reference  # noqa: E402
 
-from rlmem.integrations.hf import HFSampler  # noqa: E402
+from rlmem.rollout import HFSampler  # noqa: E402
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8], [11, 12], [3, 3, 3, 9, 10, 6], [20]]
 KW = dict(max_len=32, batch_size=4, pad_token_id=0, eos_token_id=2)

@@ -20,8 +20,8 @@ from _models import PROMPTS, tiny_qwen2
 
 import rlmem
 from rlmem.cli import main as cli_main
-from rlmem.integrations.hf import HFSampler
 from rlmem.recipes import arithmetic, gguf
+from rlmem.rollout import HFSampler
 
 SMALL = [
     "device=cpu",

@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from rlmem import Region
-from rlmem.colocate import FenceError, RemoteError, _sglang
-from rlmem.colocate.remote import RemoteEngine
+from rlmem.colocate import FenceError, RemoteError
+from rlmem.rollout import _sglang
+from rlmem.rollout.http_engine import RemoteEngine
 
 MiB = 1 << 20
 

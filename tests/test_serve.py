@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from rlmem.colocate import RemoteError
-from rlmem.colocate.remote import RemoteEngine
-from rlmem.integrations.hf import HFSampler
 from rlmem.recipes.config import GRPOConfig
 from rlmem.recipes.policy import build_policy
 from rlmem.recipes.task import CharTokenizer
+from rlmem.rollout import HFSampler
+from rlmem.rollout.http_engine import RemoteEngine
 
 TOK = CharTokenizer()
 MAX_LEN = 48

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from rlmem.colocate import Broker
 from rlmem.recipes import grpo
 from rlmem.recipes.config import GRPOConfig
-from rlmem.recipes.served import EngineLostError, ServerRollout
+from rlmem.rollout.server_rollout import EngineLostError, ServerRollout
 
 
 def _cfg(out: Path, device: str, **kw) -> GRPOConfig:

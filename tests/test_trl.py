@@ -138,7 +138,7 @@ def test_a_checkpoint_resumes_to_the_same_weights_and_optimizer(model_path, tmp_
 def test_the_sampler_rollout_with_the_weights_away_trains_as_without(model_path, tmp_path, monkeypatch):
     # TRL's rollout_func on rlmem's sampler, sampling from a bf16 copy: during generation the training weights
     # and the optimizer states wait in host memory; training is what it is with them kept
-    from rlmem.integrations.hf import HFSampler
+    from rlmem.rollout import HFSampler
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     away: list[tuple[int, int]] = []

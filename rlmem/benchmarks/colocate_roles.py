@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..colocate import Member, PeerEngine, SharedWeights, serve_engine
+from ..colocate import Member, SharedWeights
 from ..memory.region import Region
+from ..rollout.process_engine import PeerEngine, serve_engine
 
 _PRIME = 65521
 _CHUNK = 1 << 28  # elements per chunk when writing and checking the pattern
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang", default="", help="stop for good at: offload (train), wake or sleep (rollout)")
     args = p.parse_args(argv)
     if args.frac > 0:
-        from ..colocate._device import mem_info
+        from ..colocate.device import mem_info
 
         size = int(mem_info(torch.device(args.device))[1] * args.frac) >> 21 << 21
         args.state_bytes = args.kv_bytes = size

@@ -15,12 +15,12 @@ hard-code CUDA), Megatron's device and CUDA RNG fork redirected to the host, and
 Per rank and step: the bytes the offload freed (``cudaMemGetInfo``; on the CPU what stays resident) over
 what the state holds, the offload's and the reload's rate over the pinned copy rates measured on that rank
 in the same run, reads of the weights and main parameters while away, and, for ``tp2`` and ``tp2-sp``, one
-step's gradients with every Megatron activation name offloaded against without. Summary: ``tp2_bit_identical``,
-``pp2_bit_identical``, ``dp2_distopt_bit_identical`` (losses, weights and main parameters equal the
-reference's bit for bit on every rank; ``dp2_bit_identical`` on the CPU, without the distributed
-optimizer), ``tp2_sp_bit_identical``, ``freed_fraction_min``,
-``offload_vs_pinned_min``, ``reload_vs_pinned_min`` (every rank, every step after the first),
-``act_grads_bit_equal`` (over ``act_grads_layouts``).
+step's gradients with every Megatron activation name offloaded against without. Summary:
+``tp2_bit_identical``, ``pp2_bit_identical``, ``dp2_distopt_bit_identical`` (losses, weights and main
+parameters equal the reference's bit for bit on every rank; ``dp2_bit_identical`` on the CPU, without the
+distributed optimizer), ``tp2_sp_bit_identical``, ``freed_fraction_min``, ``offload_vs_pinned_min``,
+``reload_vs_pinned_min`` (every rank, every step after the first), ``act_grads_bit_equal`` (over
+``act_grads_layouts``).
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def _measure_train(model: Any, cfg: dict[str, Any], device: torch.device) -> dic
 
 def _measure_rollout(model: Any, cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
     from .. import OffloadConfig, PhaseManager
-    from ..integrations.hf import HFSampler
+    from ..rollout.sampler import HFSampler
 
     vocab = model.config.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from ..integrations._gqa import grouped
-from ..integrations.hf import HFSampler, kv_bytes_per_token
 from ..plan.presets import PRESETS, build, vocab_size
+from ..rollout._gqa import grouped
+from ..rollout.sampler import HFSampler, kv_bytes_per_token
 from ._common import format_table
 from ._harness import Run
 

@@ -1,4 +1,4 @@
-"""Trainer and rollout engine in separate processes on one GPU (seed 001's co-card).
+"""Trainer and rollout engine in separate processes on one GPU: process coordination and shared tensors.
 
 Owns what two processes share and how they hand the device over:
 
@@ -6,20 +6,22 @@ Owns what two processes share and how they hand the device over:
   process maps and runs its model on (:class:`SharedWeights`, :func:`attach_weights`): a weight sync is the
   trainer's in-place cast-copy, nothing travels;
 - the device-wide ledger and grant (:class:`Broker`), each process's seat at it (:class:`Member`: fenced
-  ``release``, admitted ``acquire``, calls), and the rollout process as an engine of the trainer's
-  ``PhaseManager`` (:class:`PeerEngine`, :func:`serve_engine`); an inference server as one
-  (:class:`RemoteEngine`: rlmem's, vLLM's or SGLang's endpoints over HTTP, its sleep fenced);
+  ``release``, admitted ``acquire``, calls);
 - how they talk (:mod:`~rlmem.colocate.wire`: framed, versioned messages with descriptors over a Unix socket
   in a private directory, peers checked by their credentials).
+
+The engines that drive another process (``PeerEngine``, ``EngineSeat``, ``serve_engine``, ``RemoteEngine``,
+``FLAVORS``) live in :mod:`rlmem.rollout`; their names here keep working, loaded on first use.
 
 Imports :mod:`rlmem.memory`, nothing above it.
 """
 
+import importlib
+from typing import Any
+
 from . import wire
 from .broker import Broker, default_path
 from .member import Fence, FenceError, Grant, Member, PeerLostError, RemoteError, describe
-from .peer import EngineSeat, PeerEngine, serve_engine
-from .remote import FLAVORS, RemoteEngine
 from .weights import AttachedWeights, SharedWeights, attach_weights
 
 __all__ = [
@@ -42,3 +44,13 @@ __all__ = [
     "serve_engine",
     "wire",
 ]
+
+_MOVED = {"EngineSeat", "PeerEngine", "serve_engine", "FLAVORS", "RemoteEngine"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module 'rlmem.colocate' has no attribute {name!r}")
+    value = getattr(importlib.import_module("rlmem.rollout"), name)
+    globals()[name] = value
+    return value

@@ -41,8 +41,8 @@ from .._units import MiB
 from ..errors import OutOfMemoryError
 from ..memory.region import Region
 from . import wire
-from ._device import mem_info, synchronize
 from .broker import ROLES, default_path
+from .device import mem_info, synchronize
 
 __all__ = [
     "Fence",

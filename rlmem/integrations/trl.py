@@ -12,7 +12,7 @@ as generation runs on them) and its train phase at the second (the states back; 
 alone). Training is what it is without the callback, bit for bit. A vLLM that TRL runs (``use_vllm``) is left
 to TRL, which already sleeps and wakes it.
 
-:func:`sampler_rollout` is TRL's ``rollout_func`` on rlmem's :class:`~rlmem.integrations.hf.HFSampler`
+:func:`sampler_rollout` is TRL's ``rollout_func`` on rlmem's :class:`~rlmem.rollout.HFSampler`
 (CUDA graphs, batches kept full) sampling from a copy of the policy (``rollout_dtype``, bf16 by default):
 during generation the training weights and the optimizer states wait in pinned host memory and the KV cache
 takes their place; after it, everything is back for TRL's scoring, forward and backward.
@@ -171,7 +171,7 @@ def manage(trainer: Any, **kwargs: Any) -> RLMemCallback:
 
 
 class SamplerRollout:
-    """TRL's ``rollout_func`` on :class:`~rlmem.integrations.hf.HFSampler` (see :func:`sampler_rollout`);
+    """TRL's ``rollout_func`` on :class:`~rlmem.rollout.HFSampler` (see :func:`sampler_rollout`);
     :attr:`callback` goes in the trainer's ``callbacks``."""
 
     def __init__(
@@ -242,7 +242,7 @@ class SamplerRollout:
         return list(tok(prompt, add_special_tokens=False)["input_ids"])
 
     def _make(self, trainer: Any, tok: Any, longest: int, n: int) -> None:
-        from .hf import HFSampler
+        from ..rollout.sampler import HFSampler
 
         model = trainer.accelerator.unwrap_model(trainer.model)
         limit = self.max_prompt_len or getattr(trainer.args, "max_prompt_length", None)

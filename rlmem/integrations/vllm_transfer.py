@@ -6,7 +6,7 @@ rlmem): :func:`register` adds the backend to vLLM's ``WeightTransferEngineFactor
 ``--weight-transfer-config '{"backend": "rlmem"}'`` (and ``VLLM_SERVER_DEV_MODE=1``) then takes:
 
 - ``POST /init_weight_transfer_engine {"init_info": {"socket": PATH}}``: each worker connects to the Unix
-  socket the trainer serves (:class:`~rlmem.colocate.remote.RemoteEngine` makes it, private to the user) and
+  socket the trainer serves (:class:`~rlmem.rollout.RemoteEngine` makes it, private to the user) and
   receives the shared weights' layout and the descriptors of their memory (file descriptors passed over the
   socket: no pickle), which it maps once;
 - ``/start_weight_update``, ``/update_weights {"update_info": {"names": [...] | null}}``,

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..data.batching import token_budget_batches
 from ..monitor.timeline import MemoryTimeline
+from ..rollout.server_rollout import EngineLostError
 from . import checkpoint
 from .config import GRPOConfig, train_parser
 from .policy import Policy
@@ -39,7 +40,6 @@ from .prompts import PromptSource, make_prompts
 from .report import banner, report
 from .runlog import RunLog, StepResult, track
 from .runtime import Runtime, StopRequest, setup
-from .served import EngineLostError
 from .yaml_config import load
 
 __all__ = ["GRPOConfig", "main", "report", "run"]

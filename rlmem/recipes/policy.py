@@ -17,15 +17,15 @@ import torch
 from torch import nn
 
 from .._units import parse_bytes
-from ..integrations.hf import HFSampler, kv_bytes_per_token
 from ..plan import presets
+from ..rollout.sampler import HFSampler, kv_bytes_per_token
+from ..rollout.server_rollout import SERVER_CATEGORIES, ServerRollout
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
 from . import gguf
 from .config import TINY, GRPOConfig, is_fraction
 from .prompts import PromptSource
 from .runtime import Runtime, local_rank, offload
-from .served import SERVER_CATEGORIES, ServerRollout
 
 __all__ = ["Policy", "build_policy", "materialize_optimizer_state"]
 

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..colocate import AttachedWeights, EngineSeat, Member
+from ..colocate import AttachedWeights, Member
 from ..colocate.ipc import open_tensors
-from ..integrations.hf import HFSampler
+from ..rollout.process_engine import EngineSeat
+from ..rollout.sampler import HFSampler
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "NotReadyError", "ServedModel"]
 

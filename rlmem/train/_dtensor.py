@@ -15,19 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._dtensor import is_dtensor
 from ._adopted import Group, storage_groups
 from ._source import Source, StateItem
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - builds without torch.distributed
-    DTensor = None  # type: ignore[assignment,misc]
-
 __all__ = ["DTensorSource", "fsdp_holders", "is_dtensor", "local"]
-
-
-def is_dtensor(t: object) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

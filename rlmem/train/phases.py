@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,28 +20,11 @@ from torch import nn
 from .. import comm
 from .._checks import check_choice, check_flag
 from .._results import Result
-from . import _engines
-from ._engines import TAGS
+from ..rollout import engine as _engines
+from ..rollout.engine import TAGS, Engine
 from .state import TrainState, TrainStateStats, check_policy
 
 __all__ = ["TAGS", "Engine", "OffloadConfig", "PhaseManager", "PhaseStats", "SwitchStats"]
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """A rollout engine sharing the GPU: ``sleep(level)`` gives its device memory back (level 1: weights kept
-    in host memory, KV cache discarded; level 2: both discarded, the weights synced again on waking) and
-    ``wake(tags)`` takes it again, by tag (:data:`TAGS`: ``"weights"`` then ``"kv_cache"``; None: all).
-
-    An engine with bare ``sleep()`` / ``wake()`` works too: it is woken whole, after the train state is
-    offloaded. vLLM maps onto the protocol as ``sleep(level) -> llm.sleep(level=level)`` and ``wake(tags) ->
-    llm.wake_up(tags=tags)``; SGLang as ``sleep(level) -> engine.release_memory_occupation()`` and
-    ``wake(tags) -> engine.resume_memory_occupation(tags=tags)``.
-    """
-
-    def sleep(self, level: int = 1) -> Any: ...
-
-    def wake(self, tags: Sequence[str] | None = None) -> Any: ...
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@
   {"tags": [...]}``, ``POST /generate {"text" | "input_ids", "sampling_params"}``, ``POST /flush_cache``,
   ``GET /server_info``, ``POST /update_weights_from_tensor`` (its ``flattened_bucket`` format). SGLang's
   scheduler dies on a resume of a tag not released or a release while requests run (see
-  :mod:`rlmem.colocate._sglang`): this engine keeps what it released, resumes only that, and releases only
+  :mod:`rlmem.rollout._sglang`): this engine keeps what it released, resumes only that, and releases only
   once its own generations have ended and the server is idle.
 
 With ``member=`` (the rlmem flavor; ``rlmem serve --broker``), the memory handoff goes through the device's
@@ -36,12 +36,12 @@ from typing import Any
 import torch
 
 from .._checks import check_tags
+from ..colocate.device import mem_info
+from ..colocate.member import FenceError, Member, RemoteError, fence_bytes
+from ..colocate.weights import SharedWeights
 from ..errors import OutOfMemoryError
 from . import _sglang
-from ._device import mem_info
-from .member import FenceError, Member, RemoteError, fence_bytes
-from .peer import PeerEngine
-from .weights import SharedWeights
+from .process_engine import PeerEngine
 
 __all__ = ["FLAVORS", "RemoteEngine"]
 
@@ -294,7 +294,7 @@ class RemoteEngine:
             return out if isinstance(out, dict) else {}
         if self.flavor != "rlmem":
             raise ValueError(f"update_weights_from_tensor: flavor 'rlmem' or 'sglang', not {self.flavor!r}")
-        from .ipc import share_tensors
+        from ..colocate.ipc import share_tensors
 
         return self._call("POST", "/update_weights_from_tensor", json={"tensors": share_tensors(pairs)})
 
@@ -316,7 +316,7 @@ class RemoteEngine:
         if not isinstance(weights, SharedWeights):
             raise ValueError(f"weights must be a SharedWeights, got {type(weights).__name__}")
         if self._handout is None or self._handout.weights is not weights:
-            from ._handout import Handout
+            from ..colocate.handout import Handout
 
             if self._handout is not None:
                 self._handout.close()

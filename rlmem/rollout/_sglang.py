@@ -1,4 +1,4 @@
-"""SGLang's side of :class:`~rlmem.colocate.remote.RemoteEngine`: which memory tags a sleep level releases,
+"""SGLang's side of :class:`~rlmem.rollout.RemoteEngine`: which memory tags a sleep level releases,
 which of them may be resumed, the sampling keys its ``/generate`` takes, and its ``flattened_bucket`` weight
 format.
 

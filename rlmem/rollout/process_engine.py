@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._checks import TAGS, check_tags
+from ..colocate.member import Member
+from ..colocate.weights import AttachedWeights, SharedWeights, attach_weights
 from ..memory.region import Region
-from .member import Member
-from .weights import AttachedWeights, SharedWeights, attach_weights
 
 __all__ = ["EngineSeat", "PeerEngine", "serve_engine"]
 

@@ -31,7 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..colocate import Broker, Member, PeerLostError, RemoteEngine, RemoteError, SharedWeights
+from ..colocate.broker import Broker
+from ..colocate.member import Member, PeerLostError, RemoteError
+from ..colocate.weights import SharedWeights
+from .http_engine import RemoteEngine
 
 __all__ = ["SERVER_CATEGORIES", "EngineLostError", "ServerRollout"]
 

@@ -1,0 +1,50 @@
+"""Rollout engines: what samples the policy's completions, in this process or in another one.
+
+- :class:`Engine` (``engine.py``): the protocol ``PhaseManager`` drives, ``sleep(level)`` / ``wake(tags)``,
+  as vLLM's and SGLang's engines have it;
+- :class:`HFSampler` (``sampler.py``): rlmem's own batched sampler for Hugging Face causal LMs, its KV cache
+  a Region, decoding under CUDA graphs over length buckets; its kernels (``_gqa``, ``_qkv``, ``_fused``)
+  and batches kept full (``_slots``) beside it;
+- engines that drive another process: :class:`PeerEngine` (``process_engine.py``: a rollout process on the
+  same GPU, reached through the broker; :class:`EngineSeat` and :func:`serve_engine` on its side),
+  :class:`RemoteEngine` (``http_engine.py``: rlmem's, vLLM's or SGLang's server over HTTP),
+  :class:`ServerRollout` (``server_rollout.py``: ``rlmem train engine=server``'s ``rlmem serve`` per rank).
+
+Imports :mod:`rlmem.memory`, :mod:`rlmem.plan` and :mod:`rlmem.colocate` (process coordination and shared
+tensors); :mod:`rlmem.train` imports the protocol from here. Names are loaded on first use, so the
+protocol does not bring the sampler in.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "TAGS": ".engine",
+    "Engine": ".engine",
+    "HFSampler": ".sampler",
+    "kv_bytes_per_token": ".sampler",
+    "EngineSeat": ".process_engine",
+    "PeerEngine": ".process_engine",
+    "serve_engine": ".process_engine",
+    "FLAVORS": ".http_engine",
+    "RemoteEngine": ".http_engine",
+    "EngineLostError": ".server_rollout",
+    "ServerRollout": ".server_rollout",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'rlmem.rollout' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
