@@ -27,8 +27,9 @@ TINY = dict(
     tie_word_embeddings=True,
 )
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
-# rollout_dtype -> the torch dtypes name (this module imports no torch); "auto" is resolved by the runtime
-ROLLOUT_DTYPES = {None: None, "none": None, "bf16": "bfloat16", "fp16": "float16"}
+# rollout_dtype's values: none, or a name of the one dtype table (this module imports no torch); "auto" is
+# resolved by the runtime
+ROLLOUT_DTYPES = (None, "none", "bf16", "fp16")
 
 
 ENGINES = ("local", "server")

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._dtypes import dtype_name
 from .._units import parse_bytes
 from ..plan import presets
+from ..rollout.config import SamplerConfig, kv_batch
 from ..rollout.sampler import HFSampler, kv_bytes_per_token
 from ..rollout.server_rollout import SERVER_CATEGORIES, ServerRollout
 from ..train.phases import OffloadConfig, PhaseManager
@@ -169,12 +171,13 @@ class Policy:
             kv_dtype = rt.amp_dtype or rollout_dtype or rt.param_dtype
             n_seqs = cfg.prompts_per_step // rt.world * cfg.group_size
             batch = _kv_batch(cfg, self.model, n_seqs, self.prompts.max_len, kv_dtype)
-            sampler = dict(
+            # One config for the sampler here and for the server's: every setting reaches both.
+            sampler = SamplerConfig(
                 max_len=self.prompts.max_len,
                 batch_size=batch,
                 pad_token_id=self.prompts.pad_id,
                 eos_token_id=self.prompts.eos_id,
-                compute_dtype=rt.amp_dtype,
+                compute_dtype=None if rt.amp_dtype is None else dtype_name(rt.amp_dtype),
                 cuda_graphs=cfg.cuda_graphs,
             )
             if cfg.engine == "server":
@@ -195,7 +198,7 @@ class Policy:
                 # server takes its memory now.
                 self.engine.wake()
             else:
-                self.engine = HFSampler(self.model, **sampler, rollout_dtype=rollout_dtype)
+                self.engine = HFSampler(self.model, **sampler.sampler_kwargs(), rollout_dtype=rollout_dtype)
             self.pm.add_engine(self.engine)
             if self.own_copy:  # filled from the weights gathered for it: FSDP's gathered copy can go
                 self._set_reshard(True)
@@ -301,11 +304,7 @@ def _kv_batch(cfg: GRPOConfig, model: nn.Module, n_seqs: int, max_len: int, dtyp
         budget = int(float(v) * total)
     else:
         budget = parse_bytes(v, "kv_budget")
-    if budget < per_seq:
-        raise ValueError(
-            f"kv_budget ({budget} bytes) holds less than one sequence of {max_len} tokens ({per_seq})"
-        )
-    return min(n_seqs, budget // per_seq)
+    return kv_batch(per_seq, budget, n_seqs, max_len=max_len, field="kv_budget")
 
 
 def _host_total() -> int:

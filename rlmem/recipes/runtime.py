@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ROLLOUT_DTYPES, GRPOConfig
+from .._dtypes import torch_dtype
+from .config import GRPOConfig
 
 __all__ = ["Runtime", "StopRequest", "local_rank", "rollout_dtype", "setup"]
 
@@ -105,8 +106,7 @@ def rollout_dtype(value: str | None, amp_dtype: torch.dtype | None, on_cuda: boo
     no copy elsewhere; ``"none"`` / None: no copy."""
     if value == "auto":
         return amp_dtype if on_cuda else None
-    name = ROLLOUT_DTYPES[value]
-    return None if name is None else getattr(torch, name)
+    return None if value in (None, "none") else torch_dtype(value)
 
 
 def offload(cfg: GRPOConfig, rt: Runtime) -> bool:

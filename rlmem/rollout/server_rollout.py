@@ -34,20 +34,13 @@ from torch import nn
 from ..colocate.broker import Broker
 from ..colocate.member import Member, PeerLostError, RemoteError
 from ..colocate.weights import SharedWeights
+from .config import SamplerConfig
 from .http_engine import RemoteEngine
 
 __all__ = ["SERVER_CATEGORIES", "EngineLostError", "ServerRollout"]
 
 # What the timeline and the table show of the server: this process's shared copy, then the server's ledger.
 SERVER_CATEGORIES = ("rollout_weights", "server_kv_cache", "server_torch_cache")
-# the sampler's arguments as rlmem serve's flags
-_FLAGS = {
-    "max_len": "--max-len",
-    "batch_size": "--batch-size",
-    "cuda_graphs": "--cuda-graphs",
-    "pad_token_id": "--pad-id",
-    "eos_token_id": "--eos-id",
-}
 _START_S = 600.0  # loading a large model's config and CUDA can take a while; the process is watched meanwhile
 
 
@@ -62,8 +55,8 @@ class ServerRollout:
         model: the policy (its config is what the server builds; its weights are shared at each sync).
         device: this process's device (the server's too).
         weights_dtype: the rollout copy's dtype.
-        sampler: the server's :class:`~rlmem.HFSampler` (``max_len``, ``batch_size``, ``pad_token_id``,
-            ``eos_token_id``, ``compute_dtype``, ``cuda_graphs``), for a server this process starts.
+        sampler: the server's sampler (:class:`~rlmem.rollout.config.SamplerConfig`, passed whole as
+            ``--sampler-config``), for a server this process starts.
         url: a running server (``engine_url``), or None to start one.
         log: where a started server's output goes.
         group: under torchrun, the Gloo group the ranks agree on after every exchange with their servers
@@ -80,7 +73,7 @@ class ServerRollout:
         *,
         device: torch.device,
         weights_dtype: torch.dtype,
-        sampler: dict[str, Any],
+        sampler: SamplerConfig,
         url: str | None,
         log: Path,
         group: Any = None,
@@ -116,20 +109,13 @@ class ServerRollout:
         self._ledger: tuple[float, dict[str, int]] = (0.0, {})
 
     # -- starting -------------------------------------------------------------------------------------
-    def _start(self, model: nn.Module, device: torch.device, broker: str, sampler: dict[str, Any]) -> str:
+    def _start(self, model: nn.Module, device: torch.device, broker: str, sampler: SamplerConfig) -> str:
         cfg_dir = self._dir / "model"
         model.config.save_pretrained(cfg_dir)  # the architecture alone: the weights are shared
         sock = self._dir / "serve.sock"
         argv = [sys.executable, "-m", "rlmem", "serve", str(cfg_dir), "--weights", "shared"]
         argv += ["--broker", broker, "--uds", str(sock), "--device", str(device)]
-        for key, flag in _FLAGS.items():
-            argv += [flag, str(sampler[key])]
-        argv += ["--exit-with", str(os.getpid())]
-        if sampler.get("compute_dtype") is not None:
-            argv += [
-                "--compute-dtype",
-                {torch.bfloat16: "bf16", torch.float16: "fp16"}[sampler["compute_dtype"]],
-            ]
+        argv += ["--sampler-config", sampler.to_json(), "--exit-with", str(os.getpid())]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             # Its own session: a Ctrl-C at the terminal reaches this process alone, which ends the step, saves

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import secrets
 import signal
@@ -17,7 +18,8 @@ from typing import Any
 
 __all__ = ["main", "serve_parser"]
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+from .._dtypes import DTYPE_NAMES as DTYPES
+from .._dtypes import torch_dtype
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -39,6 +41,12 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--pad-id", type=int, default=None, help="without a tokenizer: the pad token id")
     p.add_argument("--eos-id", type=int, default=None, help="without a tokenizer: the EOS token id")
+    p.add_argument(
+        "--sampler-config",
+        default=None,
+        help="the sampler's settings as one JSON object (rlmem.rollout.config.SamplerConfig), instead of "
+        "--max-len, --batch-size, --kv-budget, --compute-dtype, --cuda-graphs, --pad-id and --eos-id",
+    )
     p.add_argument("--seed", type=int, default=0, help="for the random weights of 'tiny' and presets")
     p.add_argument(
         "--weights",
@@ -105,6 +113,60 @@ class _HFText:
         return self.tok.decode(ids)
 
 
+# the flags --sampler-config replaces, with their defaults
+_SAMPLER_FLAGS = {
+    "max_len": None,
+    "batch_size": None,
+    "kv_budget": None,
+    "compute_dtype": None,
+    "cuda_graphs": "auto",
+    "pad_id": None,
+    "eos_id": None,
+}
+
+
+def _sampler_config(args: argparse.Namespace) -> Any:
+    """The ``--sampler-config`` JSON as a SamplerConfig, or None without it."""
+    if args.sampler_config is None:
+        return None
+    from ..rollout.config import SamplerConfig
+
+    both = [k for k, v in _SAMPLER_FLAGS.items() if getattr(args, k) != v]
+    if both:
+        flags = ", ".join("--" + k.replace("_", "-") for k in both)
+        raise ValueError(f"--sampler-config holds the sampler's settings: leave out {flags}")
+    try:
+        return SamplerConfig.from_json(args.sampler_config)
+    except ValueError as e:
+        raise ValueError(f"--sampler-config: {e}") from None
+
+
+def _max_len(args: argparse.Namespace) -> int | None:
+    sc = getattr(args, "sampler_config_", None)
+    return args.max_len if sc is None else sc.max_len
+
+
+def _from_flags(args: argparse.Namespace, model: Any, tok: Any) -> Any:
+    """The sampler's config from the flags; what they leave out from the tokenizer and the model."""
+    from .._units import parse_bytes
+    from ..rollout.config import SamplerConfig
+
+    pad = args.pad_id if args.pad_id is not None else getattr(tok, "pad_id", None)
+    eos = args.eos_id if args.eos_id is not None else getattr(tok, "eos_id", None)
+    if pad is None or eos is None:
+        raise ValueError("without a tokenizer in the model's directory, give --pad-id and --eos-id")
+    budget = None if args.kv_budget is None else parse_bytes(args.kv_budget, "--kv-budget")
+    return SamplerConfig(
+        max_len=args.max_len or min(2048, int(getattr(model.config, "max_position_embeddings", 2048))),
+        batch_size=None if budget is not None else args.batch_size or 16,
+        kv_budget_bytes=budget,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        compute_dtype=args.compute_dtype,
+        cuda_graphs=args.cuda_graphs,
+    )
+
+
 def load(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
     """The model (on the meta device with ``--weights shared``) and its tokenizer (or None)."""
     import torch
@@ -130,12 +192,12 @@ def load(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
             pass
         return model.eval(), tok
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = auto if args.dtype == "auto" else getattr(torch, DTYPES[args.dtype])
+    dtype = auto if args.dtype == "auto" else torch_dtype(args.dtype)
     cfg = GRPOConfig(model=args.model, seed=args.seed)
     tok: Any = None
     if args.model == "tiny":
         tok = _CharText()
-        model = build_policy(cfg, device, dtype, tok.tok.vocab_size, args.max_len or 0)
+        model = build_policy(cfg, device, dtype, tok.tok.vocab_size, _max_len(args) or 0)
     else:
         model = build_policy(cfg, device, dtype, 0)
         try:
@@ -200,10 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
     import uvicorn
 
-    from .._units import parse_bytes
     from ..colocate import Member
     from .app import make_app
     from .core import ServedModel
@@ -216,6 +276,7 @@ def _run(args: argparse.Namespace) -> int:
         _say(f"token (pass --token to choose one): {token}")
     if args.uds is not None:
         _check_uds(Path(args.uds), token)
+    args.sampler_config_ = _sampler_config(args)
     for name in ("max_len", "batch_size"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -229,22 +290,10 @@ def _run(args: argparse.Namespace) -> int:
     model, tok = load(args, device)
     n = sum(p.numel() for p in model.parameters())
     _say(f"loaded {n / 1e6:.1f}M parameters in {time.perf_counter() - t0:.1f} s")
-    pad = args.pad_id if args.pad_id is not None else getattr(tok, "pad_id", None)
-    eos = args.eos_id if args.eos_id is not None else getattr(tok, "eos_id", None)
-    if pad is None or eos is None:
-        raise ValueError("without a tokenizer in the model's directory, give --pad-id and --eos-id")
-    max_len = args.max_len or min(2048, int(getattr(model.config, "max_position_embeddings", 2048)))
-    kw: dict[str, Any] = dict(
-        max_len=max_len,
-        pad_token_id=pad,
-        eos_token_id=eos,
-        cuda_graphs=args.cuda_graphs if device.type == "cuda" else "off",
-        compute_dtype=getattr(torch, DTYPES[args.compute_dtype]) if args.compute_dtype else None,
-    )
-    if args.kv_budget is not None:
-        kw["kv_budget_bytes"] = parse_bytes(args.kv_budget, "--kv-budget")
-    else:
-        kw["batch_size"] = args.batch_size or 16
+    sc = args.sampler_config_ or _from_flags(args, model, tok)
+    if device.type != "cuda":
+        sc = dataclasses.replace(sc, cuda_graphs="off")
+    kw = sc.sampler_kwargs()
     member = None
     if args.broker is not None:
         member = Member("rollout", path=args.broker, device=device, name=f"rlmem serve {args.model}")
