@@ -14,7 +14,7 @@
 # serve runs the CUDA tests of rlmem serve, engine=server and the two-process handoff (args go to pytest);
 # bench-server passes its args to rlmem bench grpo_colocated --engine server (e.g. --parts big-offload --merge).
 # Carry .whl (torch_memory_saver 0.0.10 for the phase_switch comparison, megatron-core 0.16.1 cp312 for the
-# Megatron tests and benchmark, fastapi / starlette / pydantic / uvicorn for rlmem serve); see README.
+# Megatron tests and benchmark, fastapi / starlette / pydantic / uvicorn for rlmem serve); see docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlmem-gpu-check}
@@ -140,7 +140,7 @@ if [[ $what == all || $what == bench || $what == bench-megatron ]]; then
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == bench-real ]]; then
-  # SmolLM2-135M-Instruct learning arithmetic (the GGUF file carried in parts and joined in /tmp, see README):
+  # SmolLM2-135M-Instruct learning arithmetic (the GGUF file carried in parts and joined in /tmp, see docs/benchmarks.md):
   # args go to rlmem bench real_model, e.g. --model /tmp/smollm2.gguf --parts offload, then --parts nooffload --merge
   [[ -f bench/results/real_model-$name.json ]] && cp "bench/results/real_model-$name.json" "$OUT/"
   python3 -m rlmem bench real_model --machine "$name" --json "$OUT/real_model-$name.json" "$@" \
