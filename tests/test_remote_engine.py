@@ -501,3 +501,16 @@ def test_update_weights_is_vllms_and_takes_shared_weights(standin):
     eng = RemoteEngine(standin("vllm").url, "vllm")
     with pytest.raises(ValueError, match="weights must be a SharedWeights, got dict"):
         eng.update_weights({"w": torch.zeros(2)})
+    from torch import nn
+
+    from rlmem.colocate import SharedWeights
+
+    shared = SharedWeights(nn.Linear(4, 4), torch.bfloat16)  # on the host here
+    with pytest.raises(ValueError, match="backend must be one of 'rlmem', 'ipc'"):
+        eng.update_weights(shared, backend="nccl")
+    with pytest.raises(
+        ValueError, match="backend 'ipc': CUDA IPC needs the weights on one GPU, they are on cpu"
+    ):
+        eng.update_weights(shared, backend="ipc")
+    assert not [p for _, p, _, _ in srv.requests if "weight" in p]  # refused before any call
+    shared.close()

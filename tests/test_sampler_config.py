@@ -52,7 +52,7 @@ def test_a_bad_field_is_named(bad, field):
 
 
 def test_unknown_json_fields_are_named():
-    with pytest.raises(ValueError, match="unknown field.*temperature"):
+    with pytest.raises(ValueError, match=r"unknown field.*temperature"):
         SamplerConfig.from_json(json.dumps({**BASE, "temperature": 1.0}))
     with pytest.raises(ValueError, match="not JSON"):
         SamplerConfig.from_json("{")

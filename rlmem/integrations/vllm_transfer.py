@@ -14,8 +14,9 @@ rlmem): :func:`register` adds the backend to vLLM's ``WeightTransferEngineFactor
   names, or those given), as its own IPC backend loads; a sync is one pass over memory the two processes
   share, on the device on a GPU.
 
-``RemoteEngine(flavor="vllm").update_weights(weights)`` drives these calls. vLLM's own ``ipc`` backend is the
-fallback where rlmem cannot be installed in the server's environment.
+``RemoteEngine(flavor="vllm").update_weights(weights)`` drives these calls. Where rlmem cannot be installed in
+the server's environment, ``update_weights(weights, backend="ipc")`` speaks vLLM's own ``ipc`` backend instead
+(``rlmem/rollout/_vllm_ipc.py``: a staging buffer exported by CUDA IPC, a copy per chunk).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .._checks import check_tags
+from .._checks import check_choice, check_tags
 from ..colocate.device import mem_info
 from ..colocate.member import FenceError, Member, RemoteError, fence_bytes
 from ..colocate.weights import SharedWeights
@@ -111,7 +111,9 @@ class RemoteEngine:
         self._info: dict[str, Any] | None = None  # SGLang's /server_info, read once
         self._running = 0  # this engine's generate calls in flight: no sleep meanwhile
         self._idle = threading.Condition()
-        self._handout: Any = None  # vLLM: the shared weights handed to its workers (update_weights)
+        # vLLM: (backend, sender, weights) of update_weights: the descriptors handed to its workers
+        # (rlmem's backend) or the exported staging buffer (its ipc backend)
+        self._transfer: tuple[Any, Any, SharedWeights] | None = None
         self.last_fence: dict[str, Any] | None = None
         self.peer: PeerEngine | None = None
         if member is not None:
@@ -299,36 +301,65 @@ class RemoteEngine:
         return self._call("POST", "/update_weights_from_tensor", json={"tensors": share_tensors(pairs)})
 
     def update_weights(
-        self, weights: SharedWeights, *, sync: bool = True, names: Sequence[str] | None = None
+        self,
+        weights: SharedWeights,
+        *,
+        sync: bool = True,
+        names: Sequence[str] | None = None,
+        backend: str = "rlmem",
     ) -> None:
-        """vLLM: load the server's weights from ``weights`` through rlmem's weight-transfer backend (the
-        server started with ``--weight-transfer-config '{"backend": "rlmem"}'``, rlmem installed beside it):
-        the first call hands the shared memory's descriptors to its workers over a private Unix socket
-        (``/init_weight_transfer_engine``), every call ``weights.sync()`` (with ``sync``) and vLLM's
-        ``/start_weight_update``, ``/update_weights`` (``names``: these only), ``/finish_weight_update``.
+        """vLLM: load the server's weights from ``weights`` through its weight-transfer API: vLLM's
+        ``/start_weight_update``, ``/update_weights`` (``names``: these only), ``/finish_weight_update``,
+        after ``weights.sync()`` (with ``sync``).
+
+        ``backend="rlmem"`` (the server started with ``--weight-transfer-config '{"backend": "rlmem"}'``,
+        rlmem installed beside it): the first call hands the shared memory's descriptors to its workers over
+        a private Unix socket (``/init_weight_transfer_engine``), and each update loads from that memory
+        itself. ``backend="ipc"``, where rlmem cannot be installed beside the server: vLLM's own CUDA IPC
+        backend (``'{"backend": "ipc"}'``, and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in its environment,
+        as its HTTP client needs): the weights go through a staging buffer of 1 GiB exported once, a copy
+        and a request per chunk.
 
         Raises:
-            ValueError: another flavor, or ``weights`` not a SharedWeights. RemoteError: the server refused
-            (an unknown backend: its message names the ones it has).
+            ValueError: another flavor, ``weights`` not a SharedWeights, an unknown ``backend``, or
+                ``"ipc"`` with weights off a GPU. RemoteError: the server refused (an unknown backend: its
+                message names the ones it has).
         """
         if self.flavor != "vllm":
             raise ValueError(f"update_weights: the vllm flavor (rlmem's backend), not {self.flavor!r}")
         if not isinstance(weights, SharedWeights):
             raise ValueError(f"weights must be a SharedWeights, got {type(weights).__name__}")
-        if self._handout is None or self._handout.weights is not weights:
-            from ..colocate.handout import Handout
+        check_choice("backend", backend, ("rlmem", "ipc"))
+        if self._transfer is None or self._transfer[0] != backend or self._transfer[2] is not weights:
+            self._close_transfer()
+            if backend == "rlmem":
+                from ..colocate.handout import Handout
 
-            if self._handout is not None:
-                self._handout.close()
-            self._handout = Handout(weights)
-            info = {"socket": self._handout.path, "timeout": self.timeout}
+                sender: Any = Handout(weights)
+                info: dict[str, Any] = {"socket": sender.path, "timeout": self.timeout}
+            else:
+                from ._vllm_ipc import IpcStaging
+
+                sender = IpcStaging(weights.tensors)
+                info = {"packed": True}
+            self._transfer = (backend, sender, weights)
             self._call("POST", "/init_weight_transfer_engine", json={"init_info": info})
+        sender = self._transfer[1]
         if sync:
             weights.sync()
         self._call("POST", "/start_weight_update", json={})
-        update = {"names": None if names is None else [str(n) for n in names]}
-        self._call("POST", "/update_weights", json={"update_info": update})
+        if backend == "rlmem":
+            update = {"names": None if names is None else [str(n) for n in names]}
+            self._call("POST", "/update_weights", json={"update_info": update})
+        else:
+            for update in sender.updates(None if names is None else [str(n) for n in names]):
+                self._call("POST", "/update_weights", json={"update_info": update})
         self._call("POST", "/finish_weight_update", json={})
+
+    def _close_transfer(self) -> None:
+        if self._transfer is not None:
+            self._transfer[1].close()
+            self._transfer = None
 
     def stats(self) -> dict[str, Any]:
         """rlmem's server: the cache's shape and what the process holds (``GET /memory``)."""
@@ -384,9 +415,7 @@ class RemoteEngine:
             return False
 
     def close(self) -> None:
-        if self._handout is not None:
-            self._handout.close()
-            self._handout = None
+        self._close_transfer()
         self._http.close()
 
     # -- plumbing ---------------------------------------------------------------------------------------
