@@ -17,30 +17,31 @@ then ``acquire()`` on the other:
   come; it changes nothing of the caller's, so whatever it had paused stays paused and a retry works.
 
 Nothing here ever exits the process: every failure is an exception, every wait has a time-out.
+
+This module owns the seat: holdings, the fence, the admission, and :class:`Member`'s whole public face. Under
+it, one mechanism a module: the connection to the broker (``_link.py``: the socket, the reader thread,
+requests matched to their replies), the calls between members (``_calls.py``: the caller's side and the serve
+loop), and the errors and results (``_outcomes.py``), whose names are re-exported here.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import os
-import queue
-import socket
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._results import Result
 from .._units import MiB
 from ..errors import OutOfMemoryError
 from ..memory.region import Region
-from . import wire
+from . import _calls
+from ._link import Link
+from ._outcomes import Fence, FenceError, Grant, PeerLostError, RemoteError, describe, gib
 from .broker import ROLES, default_path
 from .device import mem_info, synchronize
 
@@ -58,67 +59,12 @@ __all__ = [
 _POLL = 0.001
 
 
-class PeerLostError(ConnectionError):
-    """The broker or a peer process went away (it exited, or was killed).
-
-    Attributes:
-        peer: the lost peer's ledger entry (pid, role, holdings), when known.
-    """
-
-    def __init__(self, message: str, peer: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.peer = peer
-
-
-class FenceError(TimeoutError):
-    """A release whose memory did not come back to the device in time (another process still maps it, or
-    something out of the ledger's sight holds it: the message says which)."""
-
-
-class RemoteError(RuntimeError):
-    """A call the peer received raised; the message is the peer's."""
-
-
-@dataclass(frozen=True)
-class Fence(Result):
-    """What a fenced :meth:`Member.release` saw: bytes it let go by its holdings (on the host backend, the
-    pages its shared files held), the rise of the device's free memory, and the seconds from the start of
-    the work to the fence (``wait_s``: spent waiting for the device and the memory after the work)."""
-
-    released_bytes: int
-    free_rise_bytes: int
-    seconds: float
-    wait_s: float
-
-
-@dataclass(frozen=True)
-class Grant(Result):
-    """What :meth:`Member.acquire` got: the seconds it waited (for the grant, then for the memory), the
-    device's free bytes once admitted, and the other members as the ledger had them."""
-
-    waited_s: float
-    free_bytes: int
-    others: list[dict[str, Any]]
-
-
 def fence_bytes(let_go: int) -> int:
     """The rise of the device's free memory that counts a release of ``let_go`` bytes as back: all of it
     but 1/64 and 4 MiB (allocation granularity, memory the driver or another library keeps), never below 0.
     A negative ``let_go`` (more taken than given back) allows a fall of as much, with the same slack."""
     want = let_go - (abs(let_go) // 64 + 4 * MiB)
     return max(0, want) if let_go >= 0 else want
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
-def describe(member: dict[str, Any]) -> str:
-    """One ledger entry as text: ``pid 123 (rollout) holding kv_cache 30.00 GiB, ...``."""
-    held = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(member.get("holdings", {}).items()) if v)
-    mapped = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(member.get("mapped", {}).items()) if v)
-    text = f"pid {member.get('pid')} ({member.get('role')}) holding {held or 'nothing'}"
-    return text + (f", mapping another's {mapped}" if mapped else "")
 
 
 def _fence_cause(others: list[dict[str, Any]]) -> str:
@@ -176,26 +122,19 @@ class Member:
         self.path = Path(path) if path is not None else default_path(str(dev))
         self._tracked: dict[str, list[Callable[[], Iterable[Region]]]] = {}
         self._maps: dict[str, Callable[[], Iterable[Region]]] = {}
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, list[Any]] = {}  # request id -> [event, (msg, fds) or exception]
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._calls: queue.Queue[tuple[dict[str, Any], list[int]] | None] = queue.Queue()
-        self._lost: Exception | None = None
-        self.lost_peers: list[dict[str, Any]] = []
-        self._on_lost: list[Callable[[dict[str, Any]], None]] = []
         self._baseline: tuple[int, dict[Any, int]] | None = None
-        self._sock = wire.connect(self.path, timeout=self.timeout)
-        try:
-            self.broker_pid, _ = wire.check_peer(self._sock)
-            self._reader = threading.Thread(target=self._read, name=f"rlmem-member-{role}", daemon=True)
-            self._reader.start()
-            hello = self._request({"op": "hello", "role": role, "name": name})
-        except BaseException:
-            self._sock.close()
-            raise
+        self._link = Link(
+            self.path,
+            {"op": "hello", "role": role, "name": name},
+            timeout=self.timeout,
+            report=self._report,
+            thread_name=f"rlmem-member-{role}",
+        )
+        self.broker_pid = self._link.broker_pid
+        self.lost_peers: list[dict[str, Any]] = self._link.lost_peers  # the reader appends to it
         ref = weakref.ref(self)
         atexit.register(lambda: (m := ref()) is not None and m.close())  # no reader left in a read at exit
+        hello = self._link.hello
         self.pid: int = hello["pid"]
         self.capacity: int | None = hello.get("capacity")
 
@@ -311,8 +250,8 @@ class Member:
             if time.monotonic() > deadline:
                 others = [m for m in self.status()["members"] if m["role"] != self.role]
                 raise FenceError(
-                    f"release by {self.role}: the device's free memory rose {_gib(max(0, rise))} of the "
-                    f"{_gib(let_go)} let go within {limit:g} s; {_fence_cause(others)}"
+                    f"release by {self.role}: the device's free memory rose {gib(max(0, rise))} of the "
+                    f"{gib(let_go)} let go within {limit:g} s; {_fence_cause(others)}"
                 )
             time.sleep(_POLL)
             rise = mem_info(self.device)[0] - free0
@@ -323,7 +262,7 @@ class Member:
             wait_s=time.perf_counter() - t1,
         )
         self._baseline = None
-        self._request({"op": "release", "fence": fence.as_dict()})
+        self._link.request({"op": "release", "fence": fence.as_dict()}, wait=self.timeout)
         return fence
 
     def acquire(self, need: int | None = None, *, timeout: float | None = None) -> Grant:
@@ -341,12 +280,12 @@ class Member:
         if need < 0:
             raise ValueError(f"need must be >= 0 bytes, got {need}")
         t0 = time.monotonic()
-        reply = self._request({"op": "acquire", "timeout": limit}, wait=limit + self.timeout)
+        reply = self._link.request({"op": "acquire", "timeout": limit}, wait=limit + self.timeout)
         if not reply["ok"]:
             free = mem_info(self.device)[0]
             raise OutOfMemoryError(
                 f"{self.role} could not take {self.device}: {describe(reply['holder'])} has not released "
-                f"it within {limit:g} s (needed {_gib(need)}, {_gib(free)} free)",
+                f"it within {limit:g} s (needed {gib(need)}, {gib(free)} free)",
                 needed=need,
                 free=free,
                 device=str(self.device),
@@ -365,10 +304,11 @@ class Member:
                 others = [m for m in self.status()["members"] if m["role"] != self.role]
                 last_status = time.monotonic()
             time.sleep(_POLL)
-        self._request({"op": "release", "fence": None})  # give the grant back: a retry starts afresh
-        cap = f"; the ledger's capacity is {_gib(self.capacity)}" if self.capacity and over else ""
+        # give the grant back: a retry starts afresh
+        self._link.request({"op": "release", "fence": None}, wait=self.timeout)
+        cap = f"; the ledger's capacity is {gib(self.capacity)}" if self.capacity and over else ""
         raise OutOfMemoryError(
-            f"{self.role} needs {_gib(need)} on {self.device} and {_gib(free)} is free after {limit:g} s"
+            f"{self.role} needs {gib(need)} on {self.device} and {gib(free)} is free after {limit:g} s"
             + f"{cap}; "
             + ("; ".join(describe(m) for m in others) or "no other member holds any")
             + ". Nothing of this process's was changed: retry once the peer has released",
@@ -393,7 +333,7 @@ class Member:
         """
         limit = self._limit(timeout)
         msg = {"op": "wait_for", "role": role, "serving": serving, "timeout": limit}
-        reply = self._request(msg, wait=limit + self.timeout)
+        reply = self._link.request(msg, wait=limit + self.timeout)
         if not reply["ok"]:
             what = "serving calls" if serving else "joined"
             raise TimeoutError(f"no {role!r} process {what} at the broker {self.path} within {limit:g} s")
@@ -417,26 +357,7 @@ class Member:
             RemoteError: it raised anything else.
             TimeoutError: no answer within ``timeout``.
         """
-        reply, rfds = self._request(
-            {"op": "call", "to": role, "method": method, "args": args or {}},
-            fds=list(fds),
-            wait=self._limit(timeout),
-            with_fds=True,
-        )
-        if reply["ok"]:
-            return reply.get("result"), rfds
-        for fd in rfds:
-            os.close(fd)
-        err = reply.get("error")
-        if err in ("peer_lost", "absent"):
-            peer = reply.get("peer")
-            who = describe(peer) if peer else f"no {role!r} member"
-            raise PeerLostError(f"{method}() on {role}: {who} is gone (it exited or was killed)", peer)
-        if err == "OutOfMemoryError":
-            raise OutOfMemoryError(
-                reply.get("message", ""), needed=reply.get("needed", 0), free=reply.get("free", 0)
-            )
-        raise RemoteError(f"{method}() on {role} raised {err}: {reply.get('message', '')}")
+        return _calls.call(self._link, role, method, args or {}, list(fds), self._limit(timeout))
 
     def serve(
         self,
@@ -454,71 +375,26 @@ class Member:
             PeerLostError: the broker went away.
             TimeoutError: ``idle_timeout`` passed without a call.
         """
-        served = 0
-        self._send({"op": "serving"})
-        while until is None or not until():
-            try:
-                item = self._calls.get(timeout=0.05 if until is not None else idle_timeout)
-            except queue.Empty:
-                if until is not None:
-                    continue
-                raise TimeoutError(f"{self.role}: no call within {idle_timeout} s") from None
-            if item is None:
-                raise self._lost or PeerLostError("the broker closed the connection")
-            msg, fds = item
-            method = msg.get("method")
-            reply: dict[str, Any] = {"op": "result", "cid": msg.get("cid")}
-            out_fds: list[int] = []
-            try:
-                if method == "stop":
-                    reply.update(ok=True, result=None)
-                else:
-                    fn = handlers.get(method)
-                    if fn is None:
-                        raise ValueError(f"no method {method!r}; this member serves {sorted(handlers)}")
-                    result = fn(fds, **msg.get("args", {}))
-                    if isinstance(result, tuple):
-                        result, out_fds = result
-                    reply.update(ok=True, result=result)
-            except Exception as e:  # sent to the caller, who raises it
-                reply.update(ok=False, error=type(e).__name__, message=str(e))
-                if isinstance(e, OutOfMemoryError):
-                    reply.update(needed=e.needed, free=e.free)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            try:
-                self._send({**reply, **self._report()}, out_fds)
-            finally:
-                for fd in out_fds:
-                    os.close(fd)
-            served += 1
-            if method == "stop":
-                break
-        return served
+        return _calls.serve(
+            self._link, handlers, role=self.role, report=self._report, idle_timeout=idle_timeout, until=until
+        )
 
     def on_peer_lost(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Call ``fn(entry)`` (on the reader thread) when the broker says a peer died."""
-        self._on_lost.append(fn)
+        self._link.on_lost.append(fn)
 
     # -- the ledger -------------------------------------------------------------------------------------
     def report(self) -> None:
         """Send this process's holdings now (every message sends them too)."""
-        self._request({"op": "report"})
+        self._link.request({"op": "report"}, wait=self.timeout)
 
     def status(self) -> dict[str, Any]:
         """The broker's ledger (see :meth:`Broker.ledger`)."""
-        return self._request({"op": "status"})["ledger"]
+        return self._link.request({"op": "status"}, wait=self.timeout)["ledger"]
 
     def close(self) -> None:
         """Leave the broker (a grant held is returned)."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        if self._reader is not threading.current_thread():
-            self._reader.join(5.0)  # it sees the shutdown and ends: no thread left in a read at exit
-        self._sock.close()
+        self._link.close()
 
     def __enter__(self) -> Member:
         return self
@@ -526,89 +402,10 @@ class Member:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- plumbing ---------------------------------------------------------------------------------------
+    # -- arguments --------------------------------------------------------------------------------------
     def _limit(self, timeout: float | None) -> float:
         if timeout is None:
             return self.timeout
         if not (isinstance(timeout, (int, float)) and timeout >= 0):
             raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         return float(timeout)
-
-    def _send(self, msg: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
-        if self._lost is not None:
-            raise self._lost
-        try:
-            with self._send_lock:
-                wire.send(self._sock, msg, fds)
-        except OSError as e:
-            self._reader.join(1.0)  # it may know why (a refusal it was sent)
-            raise self._lost or PeerLostError(f"the broker at {self.path} is gone: {e}") from e
-
-    def _request(
-        self,
-        msg: dict[str, Any],
-        *,
-        fds: list[int] | tuple[int, ...] = (),
-        wait: float | None = None,
-        with_fds: bool = False,
-    ) -> Any:
-        rid = next(self._ids)
-        slot: list[Any] = [threading.Event(), None]
-        with self._lock:
-            self._waiting[rid] = slot
-        try:
-            payload = {**msg, "id": rid} if msg.get("op") == "hello" else {**msg, "id": rid, **self._report()}
-            self._send(payload, fds)
-            limit = self.timeout if wait is None else wait
-            if not slot[0].wait(limit):
-                raise TimeoutError(f"the broker did not answer {msg.get('op')!r} within {limit:g} s")
-        finally:
-            with self._lock:
-                self._waiting.pop(rid, None)
-        got = slot[1]
-        if isinstance(got, BaseException):
-            raise got
-        reply, rfds = got
-        if with_fds:
-            return reply, rfds
-        for fd in rfds:
-            os.close(fd)
-        if not reply.get("ok", False) and reply.get("error") in ("hello", "protocol", "refused"):
-            raise RuntimeError(f"the broker at {self.path} refused {msg.get('op')!r}: {reply.get('message')}")
-        return reply
-
-    def _read(self) -> None:
-        err: Exception | None = None
-        while True:
-            try:
-                msg, fds = wire.recv(self._sock, timeout=None)
-            except (ConnectionError, OSError) as e:
-                err = PeerLostError(f"the broker at {self.path} is gone ({e})")
-                break
-            except wire.WireError as e:
-                err = PeerLostError(f"the broker at {self.path} speaks another protocol: {e}")
-                break
-            if msg.get("op") == "call":
-                self._calls.put((msg, fds))
-            elif msg.get("op") == "peer_lost":
-                self.lost_peers.append(msg["peer"])
-                for fn in self._on_lost:
-                    fn(msg["peer"])
-            elif msg.get("re") == 0 and msg.get("error") == "refused":
-                err = wire.PeerRefusedError(str(msg.get("message")))
-                break
-            else:
-                with self._lock:
-                    slot = self._waiting.get(msg.get("re"))
-                if slot is None:
-                    for fd in fds:
-                        os.close(fd)
-                    continue
-                slot[1] = (msg, fds)
-                slot[0].set()
-        self._lost = err
-        with self._lock:
-            for slot in self._waiting.values():
-                slot[1] = err
-                slot[0].set()
-        self._calls.put(None)

@@ -21,9 +21,10 @@ hook their gradient reduction. Discarded parameters and buffers point at placeho
 dtype and shape that hold no memory and raise an error naming rlmem on any use of their values.
 
 What this module owns: the Regions by category (through ``_adopted.Adopted``), the policy of each
-category and the state machine of offload / reload / close, the operations in flight, the hooks that
-refuse a forward pass or an optimizer step on released state, and the stats. What belongs to a stack
-(plain PyTorch, FSDP2 / DTensor, Megatron-Core) is found and adopted by that stack's source (``_plain.py``,
+category and the state machine of offload / reload / close, the operations in flight, and the stats (formed
+by ``_stats.py``). The hooks that refuse a forward pass, an optimizer step or a ``state_dict()`` on released
+state are ``_guards.py``'s, registered and kept up to date from here. What belongs to a stack (plain
+PyTorch, FSDP2 / DTensor, Megatron-Core) is found and adopted by that stack's source (``_plain.py``,
 ``_dtensor.py``, ``_megatron.py``, the protocol in ``_source.py``), asked in the order of :data:`SOURCES`.
 """
 
@@ -41,6 +42,7 @@ from ..memory.region import Handle, Region
 from . import _holders
 from ._adopted import CATEGORIES, Adopted
 from ._dtensor import DTensorSource
+from ._guards import Guards
 from ._holders import ViewHolders
 from ._megatron import MegatronSource
 from ._plain import PlainSource
@@ -153,7 +155,7 @@ class TrainState:
             rest = s.adopt_grads(rest)
         # Whether a forward pass with autograd on would write gradients into Regions (FSDP's are made by its
         # reduce-scatter and adopted only when offloaded).
-        self._autograd_grads = bool(self._kit.records("grads"))
+        autograd_grads = bool(self._kit.records("grads"))
         if buffers:
             for s in self._sources:
                 s.adopt_buffers(root)
@@ -163,10 +165,10 @@ class TrainState:
             hooks.append(opt.register_state_dict_pre_hook(lambda *_: self._drain(("optimizer",), host=True)))
             hooks.append(opt.register_step_post_hook(lambda *_: self.adopt_optimizer_states()))
         self.adopt_optimizer_states()
-        self._guarded = [m for m in root.modules() if m._parameters or (buffers and m._buffers)]
-        self._guards: list[Any] = []  # forward guards, there only while what they check is released
-        for m in self._guarded:
-            hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
+        guarded = [m for m in root.modules() if m._parameters or (buffers and m._buffers)]
+        self._guards = Guards(name, self._policy, self.paused, self._param_ids, guarded, autograd_grads)
+        for m in guarded:
+            hooks.append(m.register_state_dict_pre_hook(self._guards.before_state_dict))
         if any(t.device.type == "cuda" for t in params):
             torch.cuda.empty_cache()  # the tensors adopted from the caching allocator are free now
 
@@ -228,67 +230,8 @@ class TrainState:
         return adopted
 
     # -- hooks ---------------------------------------------------------------------------------------
-    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        for cat in ("params", "buffers"):
-            if self._policy[cat] == "discard":
-                raise RuntimeError(
-                    f"rlmem TrainState {self.name!r}: state_dict() was called while the {cat} are discarded "
-                    f"(offload({cat}='discard')), so there are no values to save until reload() and the "
-                    f"caller's own reload of them; offload with {cat}='offload' to keep them readable"
-                )
-
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if self.paused("params") and self._own_weights(module):
-            raise RuntimeError(
-                f"rlmem TrainState {self.name!r}: the model was called while its parameters are offloaded "
-                f"(params={self._policy['params']!r}); call reload() first, or offload with params='keep' "
-                "if the rollout runs on the training model"
-            )
-        if (
-            self.paused("grads")
-            and torch.is_grad_enabled()
-            and self._autograd_grads
-            and self._own_weights(module)
-        ):
-            raise RuntimeError(
-                f"rlmem TrainState {self.name!r}: the model was called with autograd on while its gradients "
-                "are offloaded; run the rollout under torch.no_grad() / torch.inference_mode(), or reload() "
-                "first"
-            )
-        if self.paused("buffers"):
-            raise RuntimeError(
-                f"rlmem TrainState {self.name!r}: the model was called while its buffers are offloaded; "
-                "call reload() first, or offload with buffers='keep'"
-            )
-
-    def _set_guards(self) -> None:
-        """Forward guards on the model's modules while its parameters, gradients or buffers are released,
-        and none otherwise: a module with a forward hook takes PyTorch's slow call path, a few microseconds
-        a call that a train step would pay for nothing."""
-        want = not self._closed and any(self.paused(c) for c in ("params", "grads", "buffers"))
-        if want and not self._guards:
-            # prepend: run before FSDP's own pre-forward all-gather reads the sharded parameters
-            self._guards = [
-                m.register_forward_pre_hook(self._before_forward, prepend=True) for m in self._guarded
-            ]
-        elif not want:
-            for h in self._guards:
-                h.remove()
-            self._guards = []
-
-    def _own_weights(self, module: nn.Module) -> bool:
-        """Whether ``module`` runs on its own parameters now. A module called over other weights
-        (``torch.func.functional_call`` over a rollout copy, as HFSampler does) reads none of the training
-        state, so only a module holding its own is refused."""
-        return any(id(t) in self._param_ids for t in module._parameters.values())
-
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for cat in ("params", "grads", "optimizer"):
-            if self.paused(cat):
-                raise RuntimeError(
-                    f"TrainState {self.name!r}: optimizer.step() was called while {cat} are offloaded; "
-                    "call reload() first"
-                )
+        self._guards.before_step()
         self._drain(("grads", "optimizer"), host=False)
 
     def _drain(self, categories: Iterable[str], *, host: bool) -> None:
@@ -411,7 +354,7 @@ class TrainState:
                 self._away[cat].extend(entries)
                 handles.append((cat, h))
             self._policy[cat] = policies[cat]
-        self._set_guards()
+        self._guards.update(self._closed)
         if not blocking:
             for cat, h in handles:
                 self._pending[cat].append(h)
@@ -470,7 +413,7 @@ class TrainState:
                             self._pending[cat].append(h)
                 self._policy[cat] = "keep"
         finally:
-            self._set_guards()
+            self._guards.update(self._closed)
             # Holders go back once their bytes are ordered (non-blocking: on the current stream).
             self._drain(CATEGORIES if blocking else ("params", "buffers", "grads"), host=False)
         self._last.update(reload_s=time.perf_counter() - t0 if blocking else None, reload_bytes=nbytes)
