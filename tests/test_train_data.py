@@ -339,7 +339,7 @@ def test_the_data_path_learns_a_toy_task(model_dir, tmp_path):
 
 
 def test_answers_reach_the_reward_as_text_whatever_the_file_gives(model_dir, tmp_path):
-    from rlmem.recipes.data import as_text
+    from rlmem.recipes.user_data import as_text
 
     data = tmp_path / "nums.csv"  # datasets reads this answer column as integers
     data.write_text("prompt,answer\n" + "".join(f"What is {a}+{a}?,{2 * a}\n" for a in range(8)))

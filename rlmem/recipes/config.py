@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._units import parse_bytes
-from .data import CHAT_TEMPLATES
 from .task import SortDigitsTask
+from .user_data import CHAT_TEMPLATES
 
 __all__ = ["PRECISIONS", "ROLLOUT_DTYPES", "TINY", "GRPOConfig", "is_fraction", "keys_help", "train_parser"]
 

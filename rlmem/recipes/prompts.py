@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from . import arithmetic
 from .config import GRPOConfig
-from .data import Example, PromptData, TextTokenizer, load_tokenizer
 from .rewards import load_reward, score
 from .task import CharTokenizer, SortDigitsTask
+from .user_data import Example, PromptData, TextTokenizer, load_tokenizer
 
 __all__ = ["Batch", "DataPrompts", "PromptSource", "TaskPrompts", "make_prompts"]
 

@@ -172,8 +172,8 @@ def load(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
     import torch
 
     from ..recipes.config import GRPOConfig
-    from ..recipes.data import load_tokenizer
     from ..recipes.policy import build_policy
+    from ..recipes.user_data import load_tokenizer
 
     if args.weights == "shared":
         from transformers import AutoConfig, AutoModelForCausalLM
