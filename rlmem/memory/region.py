@@ -13,183 +13,43 @@ copy fails with ``invalid argument``; on the host backend they read as zeros. Ch
 
 What this module owns: the chunk state machine (mapped, saved, empty), the backup, the lock and the
 operation in flight, as one mechanism: every method reads and changes all of them under one lock, and
-splitting it would spread that invariant across files. The physical work is in the backends.
+splitting it would spread that invariant across files. The physical work is in the backends. Helpers
+that decide nothing about that state are beside this module, called with what they need: the device,
+backend, chunking and chunk mapping (``_device``), tensors over the range (``_tensors``), the handle and
+worker thread of a non-blocking operation (``_handle``), the backup's growth and views (``_backup``), the
+descriptors of a shared Region (``sharing``) and the stats (``_stats``).
 """
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from .._checks import check_flag
-from .._units import GiB, round_up
-from ..errors import CudaError, OutOfMemoryError, RegionClosedError
-from ._host import HostBackend, SharedHostBackend
+from .._units import round_up
+from ..errors import RegionClosedError
+from ._backup import BackupViews, check_kept, grow_backup
+from ._device import check_sizes, chunking, make_backend, map_chunks, resolve_device
+from ._handle import Handle, finish, note_copies, worker
 from ._pinned import HostBuffer
+from ._stats import RegionStats, Timings
+from ._tensors import check_request, sized, span_of, tensor_over
 from .backend import Backend
-from .sharing import SharedLayout
+from .sharing import SharedLayout, export_files, map_files
 
+# Handle and RegionStats are defined beside the mechanisms they belong to and published here as before.
 __all__ = ["Handle", "Region", "RegionStats"]
 
-# Default chunking: about _TARGET_CHUNKS chunks per region, each between the two bounds. Driver calls cost
-# per chunk, not per byte: a 16 GiB discard cycle took 24 ms with 64 MiB chunks and 7 ms with 1 GiB chunks on
-# an H100 (bench/results/vmm_calls-nvidia-h100-x1.json), while ~16 chunks keep release progressive and let
-# mapping the next chunk overlap the copy of this one.
-_TARGET_CHUNKS = 16
-_MIN_CHUNK = 64 << 20
-_MAX_CHUNK = 2 << 30
 _DEFAULT_ALIGN = 256
 
 # Chunk states.
 _MAPPED = 0  # physical memory mapped; contents live on the device
 _SAVED = 1  # released; contents kept in the host backup
 _EMPTY = 2  # released; contents discarded
-
-
-def _resolve_device(device: Any) -> torch.device:
-    if isinstance(device, int) and not isinstance(device, bool):
-        device = torch.device("cuda", device)
-    try:
-        dev = torch.device(device)
-    except (TypeError, RuntimeError) as e:
-        raise ValueError(
-            f"device must be 'cpu', 'cuda', 'cuda:N', an int or a torch.device; got {device!r}"
-        ) from e
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"device must be a CUDA device or 'cpu'; got {device!r}")
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"Region(device={device!r}): CUDA is not available on this machine; "
-            "use device='cpu' for the host backend"
-        )
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    count = torch.cuda.device_count()
-    if not 0 <= index < count:
-        raise ValueError(f"device {device!r} does not exist: this machine has {count} CUDA device(s)")
-    return torch.device("cuda", index)
-
-
-def _make_backend(dev: torch.device, shareable: bool) -> Backend:
-    if dev.type == "cpu":
-        return SharedHostBackend() if shareable else HostBackend()
-    from ._cuda import CudaBackend
-
-    return CudaBackend(dev.index, shareable=shareable)
-
-
-def _default_chunk(capacity: int, granularity: int) -> int:
-    chunk = round_up(-(-capacity // _TARGET_CHUNKS), granularity)
-    return max(_MIN_CHUNK, min(chunk, _MAX_CHUNK))
-
-
-def _is_oom(e: BaseException) -> bool:
-    from ._cuda import CUDA_ERROR_OUT_OF_MEMORY
-
-    return isinstance(e, CudaError) and e.code == CUDA_ERROR_OUT_OF_MEMORY
-
-
-@dataclass(frozen=True)
-class RegionStats:
-    """A snapshot of a Region's sizes and its last pause and resume.
-
-    Times are wall-clock seconds from the call until the memory was released (pause) or the contents were
-    back on the device (resume); ``*_gbps`` is bytes copied over that time, in GB/s (1e9 bytes per second).
-    Figures of a non-blocking resume that has not finished yet are None.
-    """
-
-    name: str
-    device: str
-    nbytes: int
-    chunk_bytes: int
-    used_bytes: int
-    resident_bytes: int
-    backup_bytes: int
-    paused: bool
-    pauses: int
-    resumes: int
-    last_pause_kept: bool | None
-    last_pause_bytes: int
-    last_pause_s: float | None
-    last_pause_gbps: float | None
-    last_resume_bytes: int
-    last_resume_s: float | None
-    last_resume_gbps: float | None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class Handle:
-    """Completion of a :meth:`Region.pause` or :meth:`Region.resume`.
-
-    ``wait()`` makes the result usable by the caller: after a pause the memory has been released; after a
-    resume the caller's current CUDA stream (or ``stream``) is ordered after the copies, without blocking
-    the host, so work queued before it overlaps the copy. ``synchronize()`` blocks the host until all of it
-    is done. A failure inside a non-blocking operation is raised by ``wait()`` and ``synchronize()``.
-    ``wait_copied()`` orders a stream after a pause's copies to the backup (not its release).
-    """
-
-    def __init__(
-        self,
-        kind: str,
-        *,
-        thread: threading.Thread | None = None,
-        event: Any = None,
-        device: torch.device | None = None,
-    ) -> None:
-        self.kind = kind
-        self._thread = thread
-        self._event = event
-        self._device = device
-        self.error: BaseException | None = None
-        self.observed = False
-        self._copied: Any = None  # a pause's last copy to the backup (CUDA event), while it may be pending
-
-    def done(self) -> bool:
-        """True once the operation has completed (never blocks)."""
-        if self._thread is not None and self._thread.is_alive():
-            return False
-        return self._event is None or bool(self._event.query())
-
-    def _join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-        if self.error is not None:
-            self.observed = True
-            raise self.error
-
-    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Order ``stream`` (default: the current stream) after the operation; see the class docstring."""
-        self._join()
-        if self._event is not None:
-            (stream or torch.cuda.current_stream(self._device)).wait_event(self._event)
-
-    def wait_copied(self, stream: torch.cuda.Stream | None = None) -> None:
-        """After a pause: order ``stream`` (default: the current stream) after its copies to the host backup,
-        without blocking the host. Work queued on it from then on that reads
-        ``region.host_view(t, mapped=True)`` sees the kept bytes, while the release goes on in the background.
-        On the host backend the copies are done when ``pause()`` returns."""
-        if self._copied is not None:
-            (stream or torch.cuda.current_stream(self._device)).wait_event(self._copied)
-
-    def synchronize(self) -> None:
-        """Block the host until the operation is complete."""
-        self._join()
-        if self._event is not None:
-            self._event.synchronize()
-
-    def __repr__(self) -> str:
-        return f"<rlmem.Handle {self.kind} {'done' if self.done() else 'pending'}>"
 
 
 class Region:
@@ -251,28 +111,20 @@ class Region:
         files: tuple[SharedLayout, list[int]] | None,
         paused: bool = False,
     ) -> None:
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
-            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
-        if chunk_bytes is not None and (
-            not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0
-        ):
-            raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
+        check_sizes(nbytes, chunk_bytes)
         if not isinstance(name, str):
             raise ValueError(f"name must be a str, got {type(name).__name__}")
         self.name = name
         self._lock = threading.RLock()
         self._closed = True  # until fully built, so a failed construction leaves nothing usable
-        dev = _resolve_device(device)
-        backend = _make_backend(dev, shareable)
-        gran = backend.granularity
-        capacity = round_up(nbytes, gran)
-        chunk = round_up(chunk_bytes, gran) if chunk_bytes else _default_chunk(capacity, gran)
-        chunk = min(chunk, capacity)
+        dev = resolve_device(device)
+        backend = make_backend(dev, shareable)
+        capacity, chunk, chunks = chunking(nbytes, chunk_bytes, backend.granularity)
         self._device = dev
         self._backend: Backend = backend
         self._nbytes = capacity
         self._chunk = chunk
-        self._chunks = [(off, min(chunk, capacity - off)) for off in range(0, capacity, chunk)]
+        self._chunks = chunks
         self._state = [_EMPTY] * len(self._chunks)
         self._shareable = shareable
         self._peer = files is not None
@@ -280,7 +132,7 @@ class Region:
         backend.open(capacity)
         try:
             if files is not None:
-                self._map_files(*files)
+                map_files(backend, self._chunks, capacity, name, *files)
             elif not paused:
                 self._map_chunks(range(len(self._chunks)), what="Region()")
         except BaseException:
@@ -291,13 +143,10 @@ class Region:
         self._used = 0 if files is None else files[0].used_bytes
         self._paused = paused
         self._backup: HostBuffer | None = None
-        self._views: dict[tuple, torch.Tensor] = {}  # host views of the backup, see _view_of_backup
+        self._views = BackupViews()  # cleared whenever the backup is replaced or freed
         self._op: Handle | None = None  # a non-blocking pause/resume whose worker may still run
         self._resume_done: Any = None  # event after the last resume's copies (CUDA)
-        self._pauses = 0
-        self._resumes = 0
-        self._last_pause: dict[str, Any] = {"kept": None, "bytes": 0, "s": None}
-        self._last_resume: dict[str, Any] = {"bytes": 0, "s": None, "events": None}
+        self._timings = Timings()
         self._closed = False
 
     # -- properties ----------------------------------------------------------------------------------
@@ -390,17 +239,7 @@ class Region:
             RegionClosedError: the Region is closed.
         """
         self._check_open()
-        dims = (shape,) if isinstance(shape, int) else tuple(shape)
-        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in dims):
-            raise ValueError(f"shape must be an int or a sequence of non-negative ints, got {shape!r}")
-        if dtype is None:
-            dtype = torch.get_default_dtype()
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
-            raise ValueError(f"align must be a positive power of two, got {align!r}")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        need = math.prod(dims) * itemsize
+        dims, dtype, itemsize, need = check_request(shape, dtype, align)
         with self._lock:
             offset = round_up(self._used, max(align, itemsize))
             if offset + need > self._nbytes:
@@ -410,9 +249,7 @@ class Region:
                     f"{self._nbytes} bytes are left"
                 )
             self._used = offset + need
-        if need == 0:
-            return torch.empty(dims, dtype=dtype, device=self._device)
-        return self._backend.tensor_at(offset, need).view(dtype).view(dims)
+        return tensor_over(self._backend, offset, need, dims, dtype, self._device)
 
     # -- pause ---------------------------------------------------------------------------------------
     def pause(
@@ -477,17 +314,17 @@ class Region:
                 self._ensure_backup(off + size)  # may raise: nothing released yet
             after = self._backend.order(self._resume_done)
             if not self._paused:
-                self._pauses += 1
+                self._timings.pauses += 1
             self._paused = True
-            self._last_pause = {"kept": keep, "bytes": 0, "s": None}
+            self._timings.last_pause = {"kept": keep, "bytes": 0, "s": None}
             events = self._copy_out(saved, after)
             handle = Handle("pause", device=self._device)
-            handle._copied = events[saved[-1]] if saved else None
+            note_copies(handle, events[saved[-1]] if saved else None)
             if on_queued is not None:
                 on_queued(handle)
             if blocking:
                 self._release_work(events, after, t0)
-                handle._copied = None
+                note_copies(handle, None)
                 return handle
             return self._start_op("pause", self._release_work, events, after, t0, handle=handle)
 
@@ -518,8 +355,8 @@ class Region:
             else:
                 backend.unmap(off)
                 self._state[i] = _EMPTY
-        self._last_pause["bytes"] = copied
-        self._last_pause["s"] = time.perf_counter() - t0
+        self._timings.last_pause["bytes"] = copied
+        self._timings.last_pause["s"] = time.perf_counter() - t0
 
     def reserve_backup(self, *, blocking: bool = True) -> Handle:
         """Allocate the pinned host backup for the bytes in use now, ahead of the first kept pause.
@@ -544,17 +381,13 @@ class Region:
             return self._start_op("backup", self._ensure_backup, used[-1])
 
     def _ensure_backup(self, nbytes: int) -> None:
-        b = self._backup
-        if b is not None and b.alive and b.nbytes >= nbytes:
-            return
-        new = HostBuffer(nbytes, device_index=self._device.index if self._backend.pinned_backup else None)
-        self._views.clear()
-        if b is not None:
-            if _SAVED in self._state and b.alive:  # a part-way pause left contents only in the old backup
-                assert new.tensor is not None and b.tensor is not None
-                new.tensor[: b.nbytes].copy_(b.tensor)
-            b.free()
-        self._backup = new
+        self._backup = grow_backup(
+            self._backup,
+            nbytes,
+            device_index=self._device.index if self._backend.pinned_backup else None,
+            saved=_SAVED in self._state,
+            views=self._views,
+        )
 
     # -- the backup while paused -------------------------------------------------------------------
     def host_view(self, tensor: torch.Tensor, *, mapped: bool = False) -> torch.Tensor:
@@ -582,22 +415,9 @@ class Region:
             self._check_open()
             self._settle()
             off, extent = self.span(tensor)
-            if not self._paused:
-                raise RuntimeError(
-                    f"region {self.name!r} is resident: read the tensor itself "
-                    "(host_view is for a paused region)"
-                )
-            lost = [
-                i
-                for i, (coff, size) in enumerate(self._chunks)
-                if coff < off + extent and off < coff + size and self._state[i] != _SAVED
-            ]
-            if lost:
-                raise RuntimeError(
-                    f"region {self.name!r}: bytes {off}..{off + extent} were not kept "
-                    "(paused with keep=False, or a pause that failed part-way); there is nothing to read"
-                )
-            return self._view_of_backup(tensor, off, extent, mapped)
+            kept = [st == _SAVED for st in self._state]
+            check_kept(self.name, self._paused, self._chunks, kept, off, extent)
+            return self._views.get(self._backup, tensor, off, extent, mapped=mapped, device=self._device)
 
     def span(self, tensor: Any) -> tuple[int, int]:
         """(offset from the Region's start, bytes spanned) of ``tensor``, a tensor over the Region.
@@ -605,23 +425,7 @@ class Region:
         Raises:
             ValueError: ``tensor`` is not a tensor over this Region.
         """
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(
-                f"tensor must be a torch.Tensor over region {self.name!r}, got {type(tensor).__name__}"
-            )
-        extent = 0
-        if tensor.numel():
-            last = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
-            extent = (last + 1) * tensor.element_size()
-        off = tensor.data_ptr() - self._ptr
-        if extent == 0 and tensor.device == self._device:
-            return 0, 0  # no bytes: nothing to keep or to read
-        if tensor.device != self._device or off < 0 or off + extent > self._nbytes:
-            raise ValueError(
-                f"tensor (shape {tuple(tensor.shape)}, {tensor.dtype}, on {tensor.device}) does not lie in "
-                f"region {self.name!r} ({self._nbytes} bytes on {self._device})"
-            )
-        return off, extent
+        return span_of(tensor, base=self._ptr, nbytes=self._nbytes, device=self._device, region=self.name)
 
     def backup_view(
         self, tensor: torch.Tensor, *, mapped: bool = False, span: tuple[int, int] | None = None
@@ -641,26 +445,7 @@ class Region:
         off, extent = self.span(tensor) if span is None else span
         if self.backup_bytes < off + extent:
             raise RuntimeError(f"region {self.name!r} has no backup for bytes {off}..{off + extent}")
-        return self._view_of_backup(tensor, off, extent, mapped)
-
-    def _view_of_backup(self, tensor: torch.Tensor, off: int, extent: int, mapped: bool) -> torch.Tensor:
-        """``tensor``'s geometry over the backup at ``off``, unchecked (the bytes are known to be there).
-
-        Views are cached for the backup's life: the same tensors serve every pause (a trainer offloads the
-        same state every step), and each has a storage of its own, as the Region's tensors do."""
-        backup = self._backup
-        assert backup is not None and backup.tensor is not None
-        mapped = mapped and backup.pinned
-        key = (off, extent, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), mapped)
-        view = self._views.get(key)
-        if view is None:
-            if extent == 0:
-                view = torch.empty(tensor.shape, dtype=tensor.dtype, device=self._device if mapped else "cpu")
-            else:
-                flat = backup.device_view(off, extent) if mapped else backup.host_view(off, extent)
-                view = flat.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
-            self._views[key] = view
-        return view
+        return self._views.get(self._backup, tensor, off, extent, mapped=mapped, device=self._device)
 
     # -- resume --------------------------------------------------------------------------------------
     def resume(self, *, blocking: bool = True) -> Handle:
@@ -717,57 +502,29 @@ class Region:
         for i in todo:
             self._state[i] = _MAPPED
         self._paused = False
-        self._resumes += 1
+        self._timings.resumes += 1
         self._generation += 1  # new physical memory: peers map it again from the next export()
         self._resume_done = done
         if blocking:
             backend.wait(done)
-            self._last_resume = {"bytes": copied, "s": time.perf_counter() - t0, "events": None}
+            self._timings.last_resume = {"bytes": copied, "s": time.perf_counter() - t0, "events": None}
         else:
-            self._last_resume = {"bytes": copied, "s": None, "events": (start, done)}
+            self._timings.last_resume = {"bytes": copied, "s": None, "events": (start, done)}
         return done
 
     def _map_chunks(
         self, indices: Sequence[int] | range, *, what: str, on_mapped: Callable[[int], None] | None = None
     ) -> None:
         """Map the given chunks; on failure unmap those this call mapped and raise (states untouched)."""
-        backend = self._backend
-        mapped: list[int] = []
-        try:
-            for i in indices:
-                off, size = self._chunks[i]
-                try:
-                    backend.map(off, size)
-                except CudaError as e:
-                    if not _is_oom(e):
-                        raise
-                    # PyTorch's caching allocator may hold free blocks: give them back and try once more.
-                    backend.reclaim_cache()
-                    backend.map(off, size)
-                mapped.append(i)
-                if on_mapped is not None:
-                    on_mapped(i)
-        except BaseException as e:
-            backend.synchronize()  # copies into chunks about to be unmapped must finish first
-            for i in mapped:
-                backend.unmap(self._chunks[i][0])
-            if _is_oom(e):
-                needed = sum(self._chunks[i][1] for i in indices)
-                free, _ = backend.mem_info()
-                raise OutOfMemoryError(
-                    f"{what} of region {self.name!r} needs {needed / GiB:.3f} GiB of device memory on "
-                    f"{self._device}, but only {free / GiB:.3f} GiB is free"
-                    + (
-                        "; the region stays paused with its contents kept: "
-                        "free memory and call resume() again"
-                        if what == "resume()"
-                        else ""
-                    ),
-                    needed=needed,
-                    free=free,
-                    device=str(self._device),
-                ) from e
-            raise
+        map_chunks(
+            self._backend,
+            self._chunks,
+            indices,
+            what=what,
+            region=self.name,
+            device=self._device,
+            on_mapped=on_mapped,
+        )
 
     # -- sharing with other processes ---------------------------------------------------------------
     @property
@@ -798,24 +555,15 @@ class Region:
             self._check_open()
             self._settle()
             if not self._shareable or self._peer:
-                raise ValueError(
-                    f"region {self.name!r} cannot be exported: "
-                    + (
-                        "it is attached to another process's memory"
-                        if self._peer
-                        else "make it with shareable=True"
-                    )
+                why = (
+                    "it is attached to another process's memory"
+                    if self._peer
+                    else "make it with shareable=True"
                 )
+                raise ValueError(f"region {self.name!r} cannot be exported: {why}")
             if self._paused:
                 raise RuntimeError(f"region {self.name!r} is paused: resume() it before export()")
-            fds: list[int] = []
-            try:
-                for off, _ in self._chunks:
-                    fds.append(self._backend.export_file(off))  # type: ignore[attr-defined]
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
+            fds = export_files(self._backend, self._chunks)
             layout = SharedLayout(
                 name=self.name,
                 device=str(self._device),
@@ -861,65 +609,11 @@ class Region:
                 raise RuntimeError(f"region {self.name!r} is not attached to another process's memory")
             if not self._paused:
                 raise RuntimeError(f"region {self.name!r} is mapped: pause(keep=False) it before reattach()")
-            self._map_files(layout, list(fds))
+            map_files(self._backend, self._chunks, self._nbytes, self.name, layout, list(fds))
+            self._state = [_MAPPED] * len(self._chunks)
             self._paused = False
             self._generation = layout.generation
-            self._resumes += 1
-
-    def _map_files(self, layout: SharedLayout, fds: list[int]) -> None:
-        """Map each chunk's file at its offset, once every descriptor has been checked against its chunk;
-        on failure unmap what this call mapped and raise (states untouched)."""
-        if tuple(self._chunks) != tuple(layout.chunks) or self._nbytes != layout.nbytes:
-            raise ValueError(
-                f"layout of region {layout.name!r} ({layout.nbytes} bytes in {len(layout.chunks)} chunks) "
-                f"does not match this one's ({self._nbytes} bytes in {len(self._chunks)} chunks)"
-            )
-        self._check_files(fds)
-        done: list[int] = []
-        try:
-            for i, ((off, size), fd) in enumerate(zip(self._chunks, fds, strict=True)):
-                try:
-                    self._backend.map_file(off, size, fd)  # type: ignore[attr-defined]
-                except ValueError as e:
-                    raise ValueError(self._file_mismatch(i, str(e))) from e
-                done.append(i)
-        except BaseException:
-            for i in done:
-                self._backend.unmap(self._chunks[i][0])
-            raise
-        self._state = [_MAPPED] * len(self._chunks)
-
-    def _check_files(self, fds: list[int]) -> None:
-        """Check every descriptor against its chunk before any is mapped: one per chunk, open, and holding
-        the chunk's size where the backend can read it (a host file shorter than its chunk would be mapped
-        past its end, where the first touch kills the process with SIGBUS).
-
-        Raises:
-            ValueError: naming the first chunk (index, offset) whose descriptor does not fit, with the bytes
-                expected and found.
-        """
-        if len(fds) != len(self._chunks):
-            raise ValueError(
-                f"fds: {len(fds)} descriptors for the {len(self._chunks)} chunks of region {self.name!r}; "
-                "one per chunk, in the layout's order"
-            )
-        for i, ((_, size), fd) in enumerate(zip(self._chunks, fds, strict=True)):
-            if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
-                raise ValueError(self._file_mismatch(i, f"fds[{i}] must be a file descriptor, got {fd!r}"))
-            try:
-                got = self._backend.file_bytes(fd)  # type: ignore[attr-defined]
-            except (OSError, ValueError) as e:
-                raise ValueError(self._file_mismatch(i, f"fds[{i}] cannot be mapped: {e}")) from e
-            if got is not None and got != size:
-                raise ValueError(self._file_mismatch(i, f"its descriptor fds[{i}] holds {got} bytes"))
-
-    def _file_mismatch(self, index: int, why: str) -> str:
-        """The one message form of a descriptor that does not fit its chunk."""
-        off, size = self._chunks[index]
-        return (
-            f"fds do not match the layout of region {self.name!r}: chunk {index} at offset {off} expects "
-            f"{size} bytes, but {why}; nothing is left mapped (are these another Region's descriptors?)"
-        )
+            self._timings.resumes += 1
 
     def view(self, offset: int, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` at byte ``offset`` of the Region (the owner's tensors are at
@@ -930,9 +624,7 @@ class Region:
             RuntimeError: the Region is paused.
         """
         self._check_open()
-        dims = (shape,) if isinstance(shape, int) else tuple(shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        need = math.prod(dims) * itemsize
+        dims, itemsize, need = sized(shape, dtype)
         if offset < 0 or offset % itemsize or offset + need > self._nbytes:
             raise ValueError(
                 f"view({offset}, {list(dims)}, {dtype}) does not fit region {self.name!r} "
@@ -940,9 +632,7 @@ class Region:
             )
         if self._paused:
             raise RuntimeError(f"region {self.name!r} is paused: its memory is not there to view")
-        if need == 0:
-            return torch.empty(dims, dtype=dtype, device=self._device)
-        return self._backend.tensor_at(offset, need).view(dtype).view(dims)
+        return tensor_over(self._backend, offset, need, dims, dtype, self._device)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def _start_op(
@@ -951,20 +641,10 @@ class Region:
         """Run ``fn(*args)`` on a worker thread as the Region's operation in flight; the next operation
         joins it first (``_settle``)."""
         handle = handle or Handle(kind, device=self._device)
-        thread = threading.Thread(
-            target=self._run_worker, args=(handle, fn, *args), name=f"rlmem-{kind}-{self.name}", daemon=True
-        )
-        handle._thread = thread
+        thread = worker(handle, fn, args, setup=self._backend.thread_setup, name=f"rlmem-{kind}-{self.name}")
         self._op = handle
         thread.start()
         return handle
-
-    def _run_worker(self, handle: Handle, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            self._backend.thread_setup()
-            fn(*args)
-        except BaseException as e:
-            handle.error = e
 
     def _settle(self) -> None:
         """Finish a non-blocking operation still in flight before starting another."""
@@ -972,16 +652,7 @@ class Region:
         if op is None:
             return
         self._op = None
-        if op._thread is not None:
-            op._thread.join()
-        if op.error is not None and not op.observed:
-            op.observed = True
-            warnings.warn(
-                f"a non-blocking {op.kind}() of region {self.name!r} failed and nobody waited for it: "
-                f"{op.error!r}; the region's chunks are left in a consistent state",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        finish(op, self.name)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1034,13 +705,6 @@ class Region:
     # -- stats ---------------------------------------------------------------------------------------
     def stats(self) -> RegionStats:
         """A :class:`RegionStats` snapshot."""
-        lr = self._last_resume
-        if lr["s"] is None and lr["events"] is not None:
-            start, done = lr["events"]
-            if done.query():
-                lr["s"] = start.elapsed_time(done) / 1e3
-                lr["events"] = None
-        lp = self._last_pause
         return RegionStats(
             name=self.name,
             device=str(self._device),
@@ -1050,19 +714,5 @@ class Region:
             resident_bytes=0 if self._closed else self.resident_bytes,
             backup_bytes=self.backup_bytes,
             paused=self._paused,
-            pauses=self._pauses,
-            resumes=self._resumes,
-            last_pause_kept=lp["kept"],
-            last_pause_bytes=lp["bytes"],
-            last_pause_s=lp["s"],
-            last_pause_gbps=_gbps(lp["bytes"], lp["s"]),
-            last_resume_bytes=lr["bytes"],
-            last_resume_s=lr["s"],
-            last_resume_gbps=_gbps(lr["bytes"], lr["s"]),
+            **self._timings.figures(),
         )
-
-
-def _gbps(nbytes: int, seconds: float | None) -> float | None:
-    if seconds is None or nbytes == 0 or seconds <= 0:
-        return None
-    return nbytes / seconds / 1e9

@@ -16,13 +16,23 @@ peers pause first (``peer.pause(keep=False)``: unmapped, their address range kep
 (with or without a backup), and the memory goes back to the device. After the owner's ``resume()`` the
 memory is new (``generation`` counts): its next ``export()`` goes to the peers, whose
 ``reattach(layout, fds)`` maps it at the same addresses as before.
+
+Besides the layout, this module holds the descriptor work behind ``Region.export`` / ``attach`` /
+``reattach``: a descriptor per chunk out, and in, every descriptor checked against its chunk before any is
+mapped, with one message form naming the chunk that does not fit. The Region calls these under its lock and
+records the chunks' states itself.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .backend import Backend
+
+# export_files and map_files are the Region's, not part of the public API.
 __all__ = ["SharedLayout"]
 
 
@@ -64,3 +74,91 @@ class SharedLayout:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a SharedLayout: {e!r}") from e
+
+
+def export_files(backend: Backend, chunks: Sequence[tuple[int, int]]) -> list[int]:
+    """A new file descriptor for each of ``chunks`` (``(offset, size)``); if one cannot be made, those made
+    so far are closed and the error raised."""
+    fds: list[int] = []
+    try:
+        for off, _ in chunks:
+            fds.append(backend.export_file(off))  # type: ignore[attr-defined]
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def map_files(
+    backend: Backend,
+    chunks: Sequence[tuple[int, int]],
+    nbytes: int,
+    region: str,
+    layout: SharedLayout,
+    fds: list[int],
+) -> None:
+    """Map each chunk's file at its offset, once every descriptor has been checked against its chunk;
+    on failure unmap what this call mapped and raise.
+
+    Args:
+        backend, chunks, nbytes, region: the Region's backend, chunks, size and name.
+        layout, fds: what the owner's ``export()`` gave.
+
+    Raises:
+        ValueError: the layout is another Region's, or a descriptor does not fit its chunk.
+    """
+    if tuple(chunks) != tuple(layout.chunks) or nbytes != layout.nbytes:
+        raise ValueError(
+            f"layout of region {layout.name!r} ({layout.nbytes} bytes in {len(layout.chunks)} chunks) "
+            f"does not match this one's ({nbytes} bytes in {len(chunks)} chunks)"
+        )
+    _check_files(backend, chunks, region, fds)
+    done: list[int] = []
+    try:
+        for i, ((off, size), fd) in enumerate(zip(chunks, fds, strict=True)):
+            try:
+                backend.map_file(off, size, fd)  # type: ignore[attr-defined]
+            except ValueError as e:
+                raise ValueError(_file_mismatch(chunks, region, i, str(e))) from e
+            done.append(i)
+    except BaseException:
+        for i in done:
+            backend.unmap(chunks[i][0])
+        raise
+
+
+def _check_files(backend: Backend, chunks: Sequence[tuple[int, int]], region: str, fds: list[int]) -> None:
+    """Check every descriptor against its chunk before any is mapped: one per chunk, open, and holding
+    the chunk's size where the backend can read it (a host file shorter than its chunk would be mapped
+    past its end, where the first touch kills the process with SIGBUS).
+
+    Raises:
+        ValueError: naming the first chunk (index, offset) whose descriptor does not fit, with the bytes
+            expected and found.
+    """
+    if len(fds) != len(chunks):
+        raise ValueError(
+            f"fds: {len(fds)} descriptors for the {len(chunks)} chunks of region {region!r}; "
+            "one per chunk, in the layout's order"
+        )
+    for i, ((_, size), fd) in enumerate(zip(chunks, fds, strict=True)):
+        if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+            raise ValueError(
+                _file_mismatch(chunks, region, i, f"fds[{i}] must be a file descriptor, got {fd!r}")
+            )
+        try:
+            got = backend.file_bytes(fd)  # type: ignore[attr-defined]
+        except (OSError, ValueError) as e:
+            raise ValueError(_file_mismatch(chunks, region, i, f"fds[{i}] cannot be mapped: {e}")) from e
+        if got is not None and got != size:
+            raise ValueError(_file_mismatch(chunks, region, i, f"its descriptor fds[{i}] holds {got} bytes"))
+
+
+def _file_mismatch(chunks: Sequence[tuple[int, int]], region: str, index: int, why: str) -> str:
+    """The one message form of a descriptor that does not fit its chunk."""
+    off, size = chunks[index]
+    return (
+        f"fds do not match the layout of region {region!r}: chunk {index} at offset {off} expects "
+        f"{size} bytes, but {why}; nothing is left mapped (are these another Region's descriptors?)"
+    )
