@@ -163,3 +163,39 @@ def test_names_published_before_the_rollout_package_still_resolve():
     assert rlmem.train.Engine is rlmem.Engine is rlmem.rollout.Engine
     for name in rlmem.colocate.__all__ + rlmem.rollout.__all__:
         getattr(rlmem.colocate if name in rlmem.colocate.__all__ else rlmem.rollout, name)
+
+
+# The floors of docs/design.md, lowest first: a package imports only packages of lower floors (and the base
+# modules, rlmem/_*.py and errors.py); a package on a floor of its own set beside others imports none of them.
+FLOORS = [
+    {"memory"},
+    {"comm", "monitor", "data"},
+    {"colocate"},
+    {"activations"},
+    {"plan"},
+    {"rollout"},
+    {"train"},
+    {"integrations"},
+    {"recipes"},
+    {"serve"},
+    {"benchmarks"},
+    {"cli"},
+    {"__main__"},
+]
+
+
+def test_every_package_imports_only_the_floors_below_it():
+    edges, _ = _imports(_modules())
+    floor = {p: i for i, ps in enumerate(FLOORS) for p in ps}
+    packages = {m.split(".")[1] for m in edges if m.count(".") >= 1}
+    base = {p for p in packages if p.startswith("_") and p != "__main__"} | {"errors"}
+    assert packages - base - set(floor) == set(), "a package without a floor"
+    up = sorted(
+        (a, b)
+        for a, bs in edges.items()
+        for b in bs
+        if a.count(".") >= 1 and b.count(".") >= 1
+        for pa, pb in [(a.split(".")[1], b.split(".")[1])]
+        if pa != pb and pb not in base and pa not in base and floor[pb] >= floor[pa]
+    )
+    assert up == []
