@@ -717,7 +717,10 @@ def test_budget_auto_plans_with_the_reference_steps_forward_pass(monkeypatch):
     plan, prof = off.plan, seen["profile"]
     assert plan is not None and len(seen["forward"]) == 3
     assert 0 < prof["layers_end_s"] <= prof["forward_s"] < prof["step_s"]
-    assert all(0 < f < seen["baseline"] for f in seen["forward"])
+    # each reference step's forward pass is part of it; the baseline is their median step, so it is the
+    # forward passes' median that lies under it (one noisy step's forward may outlast the median step)
+    assert all(f > 0 for f in seen["forward"])
+    assert _autoplan._budget.median(seen["forward"]) < seen["baseline"]
     scale = _autoplan._budget.median(seen["forward"]) / prof["layers_end_s"]
     assert plan.forward_s == pytest.approx(prof["forward_s"] * scale)
     assert plan.step_s == pytest.approx(seen["baseline"])
