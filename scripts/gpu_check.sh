@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -229,6 +229,22 @@ if [[ $what == grpo-dist ]]; then
   # Both runs collected into grpo_dist-<machine>.json (GRPO_DIST_TESTS=0 above skips the tests)
   python3 scripts/grpo_dist_json.py "$OUT" "$name" 2>&1 | tee "$OUT/grpo_dist_json.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == refactor-ab ]]; then
+  # A change of shape checked on the GPU: the CUDA tests of the sampler, serve, colocate, state and phases,
+  # then rlmem bench rollout of the tree before the change (carried as .old/: mkdir .old && git archive REV
+  # rlmem | tar -x -C .old) and of this one, in one call (args go to rlmem bench rollout).
+  python3 -m pytest -q -rs -m cuda tests/test_hf_sampler.py tests/test_gqa.py tests/test_slots.py \
+    tests/test_qkv.py tests/test_serve.py tests/test_serve_train.py tests/test_remote_engine.py \
+    tests/test_vllm_ipc.py tests/test_colocate_handoff.py tests/test_colocate_weights.py tests/test_state.py \
+    tests/test_state_process.py tests/test_phases.py 2>&1 | tee "$OUT/tests_refactor.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  for tree in old new; do
+    root=$PWD; [[ $tree == old ]] && root=$PWD/.old
+    PYTHONPATH="$root:/tmp/site" python3 -m rlmem bench rollout --machine "$name" --presets qwen2-2.5b \
+      --batches 64 --no-varlen --json "$OUT/rollout_$tree-$name.json" "$@" 2>&1 | tee "$OUT/bench_rollout_$tree.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  done
 fi
 if [[ $what == two-gpu ]]; then
   # The two-GPU tests: a server per rank, Megatron-Core with TP / PP / DP (megatron-core carried in .whl),
