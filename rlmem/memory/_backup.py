@@ -1,10 +1,10 @@
 """A Region's host backup and the views of its kept bytes: tensors over the pinned backup, or over that
 backup as the GPU sees it through its device-mapped registration.
 
-Owns growing the backup without losing what a pause that failed part-way left only there, telling whether
-a span's bytes were kept, and building a view with a Region tensor's geometry (shape, strides, dtype) at its
-offset in the backup, cached for the backup's life. The Region holds the backup and the chunks' states and
-calls these under its lock; it clears the cache whenever the backup is replaced or freed.
+Owns growing the backup without losing what a pause that failed part-way left only there, freeing it,
+telling whether a span's bytes were kept, and building a view with a Region tensor's geometry (shape,
+strides, dtype) at its offset in the backup, cached for the backup's life. The Region holds the backup and
+the chunks' states and calls these under its lock; replacing or freeing the backup clears the cache.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from ._pinned import HostBuffer
 
-__all__ = ["BackupViews", "check_kept", "grow_backup"]
+__all__ = ["BackupViews", "check_kept", "drop_backup", "grow_backup"]
 
 
 def grow_backup(
@@ -38,6 +38,13 @@ def grow_backup(
             new.tensor[: backup.nbytes].copy_(backup.tensor)
         backup.free()
     return new
+
+
+def drop_backup(backup: HostBuffer | None, views: BackupViews) -> None:
+    """Free ``backup``, if any, and forget the views over it (the Region then holds no backup)."""
+    views.clear()
+    if backup is not None:
+        backup.free()
 
 
 def check_kept(

@@ -7,6 +7,7 @@ read from its CUDA events once they have completed, never waited for.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -57,6 +58,25 @@ class Timings:
         self.resumes = 0
         self.last_pause: dict[str, Any] = {"kept": None, "bytes": 0, "s": None}
         self.last_resume: dict[str, Any] = {"bytes": 0, "s": None, "events": None}
+
+    def pause_began(self, keep: bool, *, again: bool) -> None:
+        """A pause starts: its figures reset, and counted unless ``again`` (a pause of a Region already
+        paused, releasing what a pause that failed part-way left)."""
+        if not again:
+            self.pauses += 1
+        self.last_pause = {"kept": keep, "bytes": 0, "s": None}
+
+    def pause_ended(self, copied: int, t0: float) -> None:
+        """The pause begun at ``t0`` (``time.perf_counter()``) has released the memory; ``copied`` bytes
+        were kept."""
+        self.last_pause["bytes"] = copied
+        self.last_pause["s"] = time.perf_counter() - t0
+
+    def resume_ended(self, copied: int, t0: float, events: tuple[Any, Any] | None) -> None:
+        """The resume begun at ``t0`` has copied ``copied`` bytes back: done now (``events`` None), or
+        queued between the CUDA ``events`` (start, done), its time read from them later."""
+        s = None if events is not None else time.perf_counter() - t0
+        self.last_resume = {"bytes": copied, "s": s, "events": events}
 
     def figures(self) -> dict[str, Any]:
         """The :class:`RegionStats` fields these give, a pending resume's time filled in once its events

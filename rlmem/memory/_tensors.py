@@ -2,9 +2,10 @@
 finding where a given tensor lies.
 
 Owns the geometry between tensors and bytes, which reads nothing that changes: ``empty()``'s argument
-checks, the bytes a shape and dtype take, a tensor of a given shape and dtype over mapped bytes, and a
-tensor's (offset, extent) in the range. Which offset a new tensor gets (the bump of ``used_bytes``) and
-whether the bytes are mapped are the Region's, under its lock.
+checks, the bytes a shape and dtype take, whether they fit the range where asked (``empty()``'s room left,
+``view()``'s bounds), a tensor of a given shape and dtype over mapped bytes, and a tensor's (offset, extent)
+in the range. Which offset a new tensor gets (the bump of ``used_bytes``) and whether the bytes are mapped
+are the Region's, under its lock.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from .backend import Backend
 
-__all__ = ["check_request", "sized", "span_of", "tensor_over"]
+__all__ = ["check_request", "check_room", "check_view", "sized", "span_of", "tensor_over"]
 
 
 def sized(shape: int | Sequence[int], dtype: torch.dtype) -> tuple[tuple[int, ...], int, int]:
@@ -46,6 +47,39 @@ def check_request(
         raise ValueError(f"align must be a positive power of two, got {align!r}")
     _, itemsize, need = sized(dims, dtype)
     return dims, dtype, itemsize, need
+
+
+def check_room(
+    region: str, dims: tuple[int, ...], dtype: torch.dtype, need: int, offset: int, nbytes: int
+) -> None:
+    """Check that ``empty(dims, dtype)``, ``need`` bytes at ``offset``, fits the ``nbytes`` of ``region``.
+
+    Raises:
+        ValueError: it does not; the message gives the sizes.
+    """
+    if offset + need > nbytes:
+        raise ValueError(
+            f"Region {region!r} is out of room: empty({list(dims)}, {dtype}) needs {need} "
+            f"bytes at offset {offset}, but only {max(nbytes - offset, 0)} of "
+            f"{nbytes} bytes are left"
+        )
+
+
+def check_view(
+    region: str, offset: int, shape: int | Sequence[int], dtype: torch.dtype, nbytes: int
+) -> tuple[tuple[int, ...], int]:
+    """(dims, bytes) of ``view(offset, shape, dtype)`` of the ``nbytes`` of ``region``, checked.
+
+    Raises:
+        ValueError: out of the range, or ``offset`` not aligned for ``dtype``.
+    """
+    dims, itemsize, need = sized(shape, dtype)
+    if offset < 0 or offset % itemsize or offset + need > nbytes:
+        raise ValueError(
+            f"view({offset}, {list(dims)}, {dtype}) does not fit region {region!r} "
+            f"({nbytes} bytes) at an offset aligned to {itemsize}"
+        )
+    return dims, need
 
 
 def tensor_over(

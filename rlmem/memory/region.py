@@ -11,13 +11,13 @@ copy fails with ``invalid argument``; on the host backend they read as zeros. Ch
 :meth:`Region.host_view` gives the kept bytes of a paused Region as a tensor over its host backup.
 :class:`rlmem.TrainState` re-points the model's and optimizer's own references there while they are offloaded.
 
-What this module owns: the chunk state machine (mapped, saved, empty), the backup, the lock and the
-operation in flight, as one mechanism: every method reads and changes all of them under one lock, and
-splitting it would spread that invariant across files. The physical work is in the backends. Helpers
-that decide nothing about that state are beside this module, called with what they need: the device,
-backend, chunking and chunk mapping (``_device``), tensors over the range (``_tensors``), the handle and
-worker thread of a non-blocking operation (``_handle``), the backup's growth and views (``_backup``), the
-descriptors of a shared Region (``sharing``) and the stats (``_stats``).
+What this module owns: the Region's state (each chunk's state, paused or not, the backup, the operation in
+flight) and the one lock under which its methods read and change it, deciding each step. The work is beside
+it, called with what it needs while the lock is held (or on the worker thread of the operation in flight,
+which the next operation joins first): the per-chunk loops of mapping, pause, resume and reattach
+(``_chunks``), the device, backend and chunking (``_device``), tensors over the range (``_tensors``), the
+handle and worker of a non-blocking operation (``_handle``), the backup's growth and views (``_backup``),
+sharing and its refusals (``sharing``) and the stats (``_stats``). The physical work is in the backends.
 """
 
 from __future__ import annotations
@@ -32,24 +32,20 @@ import torch
 from .._checks import check_flag
 from .._units import round_up
 from ..errors import RegionClosedError
-from ._backup import BackupViews, check_kept, grow_backup
-from ._device import check_sizes, chunking, make_backend, map_chunks, resolve_device
+from . import _chunks as table  # the chunk loops: run under the Region's lock (see _chunks)
+from ._backup import BackupViews, check_kept, drop_backup, grow_backup
+from ._device import check_sizes, chunking, make_backend, resolve_device
 from ._handle import Handle, finish, note_copies, worker
 from ._pinned import HostBuffer
 from ._stats import RegionStats, Timings
-from ._tensors import check_request, sized, span_of, tensor_over
+from ._tensors import check_request, check_room, check_view, span_of, tensor_over
 from .backend import Backend
-from .sharing import SharedLayout, export_files, map_files
+from .sharing import SharedLayout, check_export, check_pause, check_reattach, check_resume, export_files
 
 # Handle and RegionStats are defined beside the mechanisms they belong to and published here as before.
 __all__ = ["Handle", "Region", "RegionStats"]
 
 _DEFAULT_ALIGN = 256
-
-# Chunk states.
-_MAPPED = 0  # physical memory mapped; contents live on the device
-_SAVED = 1  # released; contents kept in the host backup
-_EMPTY = 2  # released; contents discarded
 
 
 class Region:
@@ -125,20 +121,11 @@ class Region:
         self._nbytes = capacity
         self._chunk = chunk
         self._chunks = chunks
-        self._state = [_EMPTY] * len(self._chunks)
+        self._state = [table.EMPTY] * len(self._chunks)
         self._shareable = shareable
         self._peer = files is not None
         self._generation = 0 if files is None else files[0].generation
-        backend.open(capacity)
-        try:
-            if files is not None:
-                map_files(backend, self._chunks, capacity, name, *files)
-            elif not paused:
-                self._map_chunks(range(len(self._chunks)), what="Region()")
-        except BaseException:
-            backend.destroy()  # no tensor exists yet: the address range can go at once
-            raise
-        self._state = [_EMPTY if paused else _MAPPED] * len(self._chunks)
+        self._state = table.build(backend, chunks, capacity, files, paused=paused, region=name, device=dev)
         self._ptr = backend.ptr
         self._used = 0 if files is None else files[0].used_bytes
         self._paused = paused
@@ -171,7 +158,7 @@ class Region:
     @property
     def resident_bytes(self) -> int:
         """Bytes of physical memory currently mapped (falls chunk by chunk during a pause)."""
-        return sum(size for (_, size), st in zip(self._chunks, self._state, strict=True) if st == _MAPPED)
+        return table.resident(self._chunks, self._state)
 
     @property
     def committed_bytes(self) -> int:
@@ -181,12 +168,7 @@ class Region:
         touched (a Region partly written, or resumed after ``pause(keep=False)``) takes none, so shared
         memory will not fall by it. The fences of :mod:`rlmem.colocate` wait for the device to get this
         back, not :attr:`resident_bytes`."""
-        backend = self._backend
-        return sum(
-            backend.committed(off)  # type: ignore[attr-defined]
-            for (off, _), st in zip(self._chunks, self._state, strict=True)
-            if st == _MAPPED
-        )
+        return table.committed(self._backend, self._chunks, self._state)
 
     @property
     def backup_bytes(self) -> int:
@@ -242,12 +224,7 @@ class Region:
         dims, dtype, itemsize, need = check_request(shape, dtype, align)
         with self._lock:
             offset = round_up(self._used, max(align, itemsize))
-            if offset + need > self._nbytes:
-                raise ValueError(
-                    f"Region {self.name!r} is out of room: empty({list(dims)}, {dtype}) needs {need} "
-                    f"bytes at offset {offset}, but only {max(self._nbytes - offset, 0)} of "
-                    f"{self._nbytes} bytes are left"
-                )
+            check_room(self.name, dims, dtype, need, offset, self._nbytes)
             self._used = offset + need
         return tensor_over(self._backend, offset, need, dims, dtype, self._device)
 
@@ -287,11 +264,7 @@ class Region:
         """
         check_flag("keep", keep)
         check_flag("blocking", blocking)
-        if keep and self._peer:
-            raise ValueError(
-                f"keep=True: region {self.name!r} is attached to another process's memory, which that "
-                "process keeps or discards; a peer pauses with keep=False (unmapped, its addresses kept)"
-            )
+        check_pause(self.name, keep=keep, peer=self._peer)
         if on_queued is not None and not callable(on_queued):
             raise ValueError(f"on_queued must be callable or None, got {type(on_queued).__name__}")
         with self._lock:
@@ -300,24 +273,19 @@ class Region:
             if op is not None and op.kind == "pause" and not op.done():
                 return op
             self._settle()
-            if self._paused and _MAPPED not in self._state:
+            if self._paused and table.MAPPED not in self._state:
                 return Handle("pause")
             # Paused with chunks still mapped happens only after a failed pause: release what is left.
             t0 = time.perf_counter()
-            saved = [
-                i
-                for i, (off, _) in enumerate(self._chunks)
-                if keep and off < self._used and self._state[i] == _MAPPED
-            ]
+            saved = table.to_save(self._chunks, self._state, self._used) if keep else []
             if saved:
                 off, size = self._chunks[saved[-1]]
                 self._ensure_backup(off + size)  # may raise: nothing released yet
             after = self._backend.order(self._resume_done)
-            if not self._paused:
-                self._timings.pauses += 1
+            self._timings.pause_began(keep, again=self._paused)
             self._paused = True
-            self._timings.last_pause = {"kept": keep, "bytes": 0, "s": None}
-            events = self._copy_out(saved, after)
+            # Chunk work under the lock; a non-blocking release, on the worker that _settle joins first.
+            events = table.copy_out(self._backend, self._chunks, self._backup, saved, after)
             handle = Handle("pause", device=self._device)
             note_copies(handle, events[saved[-1]] if saved else None)
             if on_queued is not None:
@@ -328,35 +296,10 @@ class Region:
                 return handle
             return self._start_op("pause", self._release_work, events, after, t0, handle=handle)
 
-    def _copy_out(self, saved: list[int], after: Any) -> dict[int, Any]:
-        """Queue (GPU) or make (host) the copies of saved chunks to the backup; returns their events."""
-        backup = self._backup
-        events: dict[int, Any] = {}
-        if saved:
-            assert backup is not None and backup.tensor is not None
-            self._backend.begin_out(after)
-            for i in saved:
-                off, size = self._chunks[i]
-                events[i] = self._backend.copy_out(off, size, backup.tensor[off : off + size])
-        return events
-
     def _release_work(self, events: dict[int, Any], after: Any, t0: float) -> None:
-        backend = self._backend
-        copied = 0
-        backend.wait(after)
-        for i, (off, size) in enumerate(self._chunks):
-            if self._state[i] != _MAPPED:
-                continue
-            if i in events:
-                backend.wait(events[i])
-                backend.unmap(off)
-                self._state[i] = _SAVED
-                copied += size
-            else:
-                backend.unmap(off)
-                self._state[i] = _EMPTY
-        self._timings.last_pause["bytes"] = copied
-        self._timings.last_pause["s"] = time.perf_counter() - t0
+        # Under the lock (blocking), or on the worker of the operation in flight, which the next one joins.
+        copied = table.release(self._backend, self._chunks, self._state, events, after)
+        self._timings.pause_ended(copied, t0)
 
     def reserve_backup(self, *, blocking: bool = True) -> Handle:
         """Allocate the pinned host backup for the bytes in use now, ahead of the first kept pause.
@@ -381,13 +324,9 @@ class Region:
             return self._start_op("backup", self._ensure_backup, used[-1])
 
     def _ensure_backup(self, nbytes: int) -> None:
-        self._backup = grow_backup(
-            self._backup,
-            nbytes,
-            device_index=self._device.index if self._backend.pinned_backup else None,
-            saved=_SAVED in self._state,
-            views=self._views,
-        )
+        index = self._device.index if self._backend.pinned_backup else None
+        saved = table.SAVED in self._state
+        self._backup = grow_backup(self._backup, nbytes, device_index=index, saved=saved, views=self._views)
 
     # -- the backup while paused -------------------------------------------------------------------
     def host_view(self, tensor: torch.Tensor, *, mapped: bool = False) -> torch.Tensor:
@@ -415,8 +354,7 @@ class Region:
             self._check_open()
             self._settle()
             off, extent = self.span(tensor)
-            kept = [st == _SAVED for st in self._state]
-            check_kept(self.name, self._paused, self._chunks, kept, off, extent)
+            check_kept(self.name, self._paused, self._chunks, table.is_saved(self._state), off, extent)
             return self._views.get(self._backup, tensor, off, extent, mapped=mapped, device=self._device)
 
     def span(self, tensor: Any) -> tuple[int, int]:
@@ -470,11 +408,7 @@ class Region:
             self._settle()
             if not self._paused:
                 return Handle("resume", event=self._resume_done, device=self._device)
-            if self._peer:
-                raise RuntimeError(
-                    f"region {self.name!r} is attached to another process's memory: map the owner's memory "
-                    "again with reattach(layout, fds) from its export() after it resumed"
-                )
+            check_resume(self.name, peer=self._peer)
             t0 = time.perf_counter()
             if not blocking and not self._backend.asynchronous:
                 return self._start_op("resume", self._resume_work, t0, True)
@@ -482,49 +416,18 @@ class Region:
             return Handle("resume", event=None if blocking else done, device=self._device)
 
     def _resume_work(self, t0: float, blocking: bool) -> Any:
-        backend = self._backend
-        backup = self._backup
-        todo = [i for i, st in enumerate(self._state) if st != _MAPPED]
-        start = backend.mark_in(timing=True)
-        copied = 0
-
-        def restore(i: int) -> None:
-            nonlocal copied
-            if self._state[i] == _SAVED:
-                assert backup is not None and backup.tensor is not None
-                off, size = self._chunks[i]
-                backend.copy_in(off, size, backup.tensor[off : off + size])
-                copied += size
-
-        # Map and copy chunk by chunk, so mapping the next chunk overlaps the copy of this one.
-        self._map_chunks(todo, what="resume()", on_mapped=restore)
-        done = backend.mark_in(timing=True)
-        for i in todo:
-            self._state[i] = _MAPPED
+        # Under the lock, or on the worker of the operation in flight, which the next one joins (_settle).
+        start, done, copied = table.restore(
+            self._backend, self._chunks, self._state, self._backup, region=self.name, device=self._device
+        )
         self._paused = False
         self._timings.resumes += 1
         self._generation += 1  # new physical memory: peers map it again from the next export()
         self._resume_done = done
         if blocking:
-            backend.wait(done)
-            self._timings.last_resume = {"bytes": copied, "s": time.perf_counter() - t0, "events": None}
-        else:
-            self._timings.last_resume = {"bytes": copied, "s": None, "events": (start, done)}
+            self._backend.wait(done)
+        self._timings.resume_ended(copied, t0, None if blocking else (start, done))
         return done
-
-    def _map_chunks(
-        self, indices: Sequence[int] | range, *, what: str, on_mapped: Callable[[int], None] | None = None
-    ) -> None:
-        """Map the given chunks; on failure unmap those this call mapped and raise (states untouched)."""
-        map_chunks(
-            self._backend,
-            self._chunks,
-            indices,
-            what=what,
-            region=self.name,
-            device=self._device,
-            on_mapped=on_mapped,
-        )
 
     # -- sharing with other processes ---------------------------------------------------------------
     @property
@@ -554,15 +457,7 @@ class Region:
         with self._lock:
             self._check_open()
             self._settle()
-            if not self._shareable or self._peer:
-                why = (
-                    "it is attached to another process's memory"
-                    if self._peer
-                    else "make it with shareable=True"
-                )
-                raise ValueError(f"region {self.name!r} cannot be exported: {why}")
-            if self._paused:
-                raise RuntimeError(f"region {self.name!r} is paused: resume() it before export()")
+            check_export(self.name, shareable=self._shareable, peer=self._peer, paused=self._paused)
             fds = export_files(self._backend, self._chunks)
             layout = SharedLayout(
                 name=self.name,
@@ -605,12 +500,8 @@ class Region:
         with self._lock:
             self._check_open()
             self._settle()
-            if not self._peer:
-                raise RuntimeError(f"region {self.name!r} is not attached to another process's memory")
-            if not self._paused:
-                raise RuntimeError(f"region {self.name!r} is mapped: pause(keep=False) it before reattach()")
-            map_files(self._backend, self._chunks, self._nbytes, self.name, layout, list(fds))
-            self._state = [_MAPPED] * len(self._chunks)
+            check_reattach(self.name, peer=self._peer, paused=self._paused)
+            self._state = table.remap(self._backend, self._chunks, self._nbytes, self.name, layout, list(fds))
             self._paused = False
             self._generation = layout.generation
             self._timings.resumes += 1
@@ -624,12 +515,7 @@ class Region:
             RuntimeError: the Region is paused.
         """
         self._check_open()
-        dims, itemsize, need = sized(shape, dtype)
-        if offset < 0 or offset % itemsize or offset + need > self._nbytes:
-            raise ValueError(
-                f"view({offset}, {list(dims)}, {dtype}) does not fit region {self.name!r} "
-                f"({self._nbytes} bytes) at an offset aligned to {itemsize}"
-            )
+        dims, need = check_view(self.name, offset, shape, dtype, self._nbytes)
         if self._paused:
             raise RuntimeError(f"region {self.name!r} is paused: its memory is not there to view")
         return tensor_over(self._backend, offset, need, dims, dtype, self._device)
@@ -638,8 +524,7 @@ class Region:
     def _start_op(
         self, kind: str, fn: Callable[..., Any], *args: Any, handle: Handle | None = None
     ) -> Handle:
-        """Run ``fn(*args)`` on a worker thread as the Region's operation in flight; the next operation
-        joins it first (``_settle``)."""
+        # Run fn(*args) on a worker thread as the Region's operation in flight; the next one joins it first.
         handle = handle or Handle(kind, device=self._device)
         thread = worker(handle, fn, args, setup=self._backend.thread_setup, name=f"rlmem-{kind}-{self.name}")
         self._op = handle
@@ -647,12 +532,10 @@ class Region:
         return handle
 
     def _settle(self) -> None:
-        """Finish a non-blocking operation still in flight before starting another."""
-        op = self._op
-        if op is None:
-            return
-        self._op = None
-        finish(op, self.name)
+        # Finish a non-blocking operation still in flight before starting another.
+        op, self._op = self._op, None
+        if op is not None:
+            finish(op, self.name)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -666,14 +549,12 @@ class Region:
         """
         with self._lock:
             self._settle()
-            if any(st == _SAVED for st in self._state):
+            if any(st == table.SAVED for st in self._state):
                 raise RuntimeError(
                     f"region {self.name!r} is paused with its contents in the host backup; resume() first"
                 )
-            if self._backup is not None:
-                self._views.clear()
-                self._backup.free()
-                self._backup = None
+            drop_backup(self._backup, self._views)
+            self._backup = None
 
     def close(self) -> None:
         """Release the physical memory and the backup. Idempotent; allowed while paused.
@@ -688,12 +569,10 @@ class Region:
             self._settle()
             self._backend.synchronize()
             self._backend.close()
-            self._state = [_EMPTY] * len(self._chunks)
+            self._state = [table.EMPTY] * len(self._chunks)
             self._paused = False
-            self._views.clear()
-            if self._backup is not None:
-                self._backup.free()
-                self._backup = None
+            drop_backup(self._backup, self._views)
+            self._backup = None
             self._resume_done = None
 
     def __enter__(self) -> Region:

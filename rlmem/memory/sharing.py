@@ -19,8 +19,9 @@ memory is new (``generation`` counts): its next ``export()`` goes to the peers, 
 
 Besides the layout, this module holds the descriptor work behind ``Region.export`` / ``attach`` /
 ``reattach``: a descriptor per chunk out, and in, every descriptor checked against its chunk before any is
-mapped, with one message form naming the chunk that does not fit. The Region calls these under its lock and
-records the chunks' states itself.
+mapped, with one message form naming the chunk that does not fit; and the protocol's refusals (a peer kept
+or resumed, an export of what is not there to share, a reattach out of turn), each with the step to take
+instead. The Region calls these under its lock and records the chunks' states itself.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 from .backend import Backend
 
-# export_files and map_files are the Region's, not part of the public API.
+# export_files, map_files and the check_* refusals are the Region's, not part of the public API.
 __all__ = ["SharedLayout"]
 
 
@@ -126,6 +127,58 @@ def map_files(
         for i in done:
             backend.unmap(chunks[i][0])
         raise
+
+
+def check_pause(region: str, *, keep: bool, peer: bool) -> None:
+    """Refuse ``pause(keep=True)`` of a peer: the memory is its owner's, to keep or discard.
+
+    Raises:
+        ValueError: ``keep`` and ``peer``.
+    """
+    if keep and peer:
+        raise ValueError(
+            f"keep=True: region {region!r} is attached to another process's memory, which that "
+            "process keeps or discards; a peer pauses with keep=False (unmapped, its addresses kept)"
+        )
+
+
+def check_resume(region: str, *, peer: bool) -> None:
+    """Refuse ``resume()`` of a paused peer: the owner makes the memory anew, and the peer maps it again.
+
+    Raises:
+        RuntimeError: ``peer``.
+    """
+    if peer:
+        raise RuntimeError(
+            f"region {region!r} is attached to another process's memory: map the owner's memory "
+            "again with reattach(layout, fds) from its export() after it resumed"
+        )
+
+
+def check_export(region: str, *, shareable: bool, peer: bool, paused: bool) -> None:
+    """Refuse ``export()`` of a Region that is not its own shareable memory, or whose memory is not there.
+
+    Raises:
+        ValueError: not ``shareable``, or a ``peer``.
+        RuntimeError: ``paused``.
+    """
+    if not shareable or peer:
+        why = "it is attached to another process's memory" if peer else "make it with shareable=True"
+        raise ValueError(f"region {region!r} cannot be exported: {why}")
+    if paused:
+        raise RuntimeError(f"region {region!r} is paused: resume() it before export()")
+
+
+def check_reattach(region: str, *, peer: bool, paused: bool) -> None:
+    """Refuse ``reattach()`` of a Region that is not a peer, or of a peer still mapped.
+
+    Raises:
+        RuntimeError: not ``peer``, or not ``paused``.
+    """
+    if not peer:
+        raise RuntimeError(f"region {region!r} is not attached to another process's memory")
+    if not paused:
+        raise RuntimeError(f"region {region!r} is mapped: pause(keep=False) it before reattach()")
 
 
 def _check_files(backend: Backend, chunks: Sequence[tuple[int, int]], region: str, fds: list[int]) -> None:
