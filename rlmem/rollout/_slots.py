@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Slots", "WritePlan", "row_bases", "slot_writes", "step_index"]
+__all__ = ["Slots", "WritePlan", "decode_writes", "row_bases", "slot_writes", "step_index"]
 
 
 class Slots:
@@ -161,3 +161,13 @@ def slot_writes(
     finally:
         for layer in layers:
             del layer.update
+
+
+def decode_writes(
+    layers: Sequence[Any], index: torch.Tensor, whole: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> contextlib.AbstractContextManager[None]:
+    """:func:`slot_writes` for decode steps alone, each row's keys and values written where ``index`` says
+    (:func:`step_index`): a batch decoding in step and one kept full run the same graphs."""
+    plan = WritePlan()
+    plan.decode(index)
+    return slot_writes(layers, plan, whole)

@@ -1,0 +1,245 @@
+"""The decode loops of ``HFSampler.generate``: batches one at a time, or kept full.
+
+- :func:`generate_batch`: up to ``batch_size`` prompts, left-padded to one width and prefilled together,
+  then decoded in step until every row has ended (checked every ``sync_every`` tokens: one host sync then,
+  not one per token) or ``max_new_tokens``; a last, partial batch decodes with the rows of its bucket.
+- :func:`generate_full` (``refill``): more sequences than rows, the batch kept full: every row writes its
+  own columns (``_slots``), and a waiting sequence's prompt is prefilled into the row of one that ended.
+
+Each step samples on the device (``_sampling``); the step itself is the sampler's (:attr:`Run.decode`: a
+CUDA graph replay once captured), over the cache-length bucket that holds the step's column. Also here:
+``generate``'s argument checks (:func:`check_request`) and the stream a generation runs on
+(:class:`OwnStream`: the sampler's own, after one event, with ``order_after``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._cache import Forward, RowViews
+from ._graphs import Decode, DecodeGraphs
+from ._sampling import check_sampling, sample
+from ._slots import Slots, WritePlan, decode_writes, slot_writes, step_index
+
+__all__ = ["OwnStream", "Run", "check_request", "generate_batch", "generate_full"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one generation runs over, handed over by the sampler for the call (and dropped after it)."""
+
+    cache: Any  # the static KV cache, its layers views of the Region
+    graphs: DecodeGraphs  # the batch-size and cache-length buckets, the cache's shape and device
+    forward: Forward  # a prefill: the model over whole prompts, into the cache
+    decode: Callable[[Decode, int], torch.Tensor]  # one step from a Decode's buffers over a length bucket
+    decoder: Callable[[int], Decode]  # the buffers of so many rows, the graphs following the weights first
+    follow_weights: Callable[[], None]  # drop the graphs if the weights moved
+    pad_token_id: int
+    eos_token_id: int
+    sync_every: int
+
+
+class OwnStream:
+    """Where the next generation runs: on the caller's stream, or, once given an event (``order_after``), on
+    the sampler's own stream (made on first use) ordered after that event alone, the caller's stream ordered
+    after the generation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.after: Any = None  # the event the next generation waits for (used once)
+        self.stream: Any = None
+
+    def next_generation(self) -> contextlib.AbstractContextManager[None]:
+        """The context the next generation runs in (the event, if any, is used up)."""
+        after, self.after = self.after, None
+        return contextlib.nullcontext() if after is None else self._after(after)
+
+    @contextlib.contextmanager
+    def _after(self, event: Any) -> Iterator[None]:
+        """The block runs on the own stream, ordered after ``event`` alone; the caller's stream is ordered
+        after the block."""
+        caller = torch.cuda.current_stream(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_event(event)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            caller.wait_stream(self.stream)
+
+
+def check_request(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float, max_len: int
+) -> None:
+    """Raises ``ValueError`` for an argument of ``generate`` out of range, or a prompt that leaves no room
+    for ``max_new_tokens`` in ``max_len``."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    check_sampling(temperature, top_p)
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + max_new_tokens > max_len:
+        raise ValueError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds max_len={max_len}"
+        )
+
+
+def generate_batch(
+    run: Run,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    gen: torch.Generator,
+) -> list[list[int]]:
+    """Completions (up to and including EOS) of at most ``batch_size`` prompts decoded together."""
+    graphs, decode = run.graphs, run.decode
+    n, device = len(prompts), graphs.device
+    rows = graphs.bucket(n)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((n, width), run.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width + max_new_tokens), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row ends where sampling starts
+        ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p) : width] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    views = RowViews(run.cache, graphs.batch_size, graphs.max_len)
+    try:
+        # A last, partial batch uses the first rows of the cache: n to prefill, its bucket to decode.
+        views.use(n)
+        run.cache.reset()
+        logits = run.forward(ids, mask[:, :width], pos)
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+        steps: list[torch.Tensor] = []
+        views.use(rows)
+        # Only now: the prefill may have moved the weights the graphs read (FSDP2 gathers them into
+        # new storage on its first forward of a rollout), and the fingerprint must see where they are.
+        d = run.decoder(rows)
+        d.start(mask[:, :width], pos[:, -1], width)
+        length = 0
+        with decode_writes(views.layers, d.index, views.whole):
+            for t in range(max_new_tokens):
+                nxt = sample(logits[:n], temperature, top_p, gen)
+                nxt = torch.where(done, run.pad_token_id, nxt)
+                steps.append(nxt)
+                done |= nxt == run.eos_token_id
+                # One host sync every few tokens to stop early, instead of one per token.
+                if t + 1 == max_new_tokens or ((t + 1) % run.sync_every == 0 and bool(done.all())):
+                    break
+                d.advance(nxt, width + t)
+                need = graphs.length(width + t + 1)
+                if need != length:  # the new column opens the next length bucket
+                    length = need
+                    views.use(rows, length)
+                logits = decode(d, length)
+    finally:
+        views.use(None)
+    out = []
+    for row in torch.stack(steps, 1).tolist():
+        if run.eos_token_id in row:
+            row = row[: row.index(run.eos_token_id) + 1]
+        out.append(row)
+    return out
+
+
+def generate_full(
+    run: Run,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    gen: torch.Generator,
+) -> list[list[int]]:
+    """Every sequence through ``batch_size`` rows kept full (``refill``): each row writes its own columns
+    (``_slots``), a waiting sequence's prompt is prefilled into the row of one that ended. Completions in
+    the order given."""
+    graphs, decode = run.graphs, run.decode
+    rows, device = graphs.batch_size, graphs.device
+    slots = Slots(rows, prompts, max_new_tokens, run.eos_token_id)
+    plan = WritePlan()
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)  # columns each row fills
+    active = torch.zeros(rows, dtype=torch.long, device=device)
+    block = torch.zeros((rows, run.sync_every), dtype=torch.long, device=device)
+    views = RowViews(run.cache, graphs.batch_size, graphs.max_len)
+    cur: torch.Tensor | None = None  # the logits each row samples its next token from
+    try:
+        with slot_writes(views.layers, plan, views.whole):
+            views.use(None)
+            run.cache.reset()  # rows hold finite values wherever a mask hides them
+            d = run.decoder(rows)
+            d.start(d.mask[:0, 0, 0, :0], d.pos[:0, 0], 0)  # every row idle: attends to column 0
+            while not slots.done:
+                admitted = slots.admit()
+                if admitted:
+                    views.use(None)
+                    first = cur is None
+                    cur = _prefill_rows(run, admitted, slots, plan, d, lengths, active, cur)
+                    if first:  # the first forward of the rollout may have moved the weights (FSDP2)
+                        run.follow_weights()
+                assert cur is not None
+                n = min(run.sync_every, slots.steps_left())
+                base = max(slots.length[r] for r, s in enumerate(slots.seq) if s is not None)
+                for j in range(n):
+                    nxt = sample(cur, temperature, top_p, gen)
+                    block[:, j] = nxt
+                    d.ids[:, 0] = nxt
+                    d.pos[:, 0] = lengths
+                    step_index(d.base, lengths, d.index)
+                    d.mask[d.rows, 0, 0, lengths] = True
+                    plan.decode(d.index)
+                    length = graphs.length(base + j + 1)
+                    views.use(rows, length)
+                    cur = decode(d, length)
+                    lengths.add_(active)
+                ended = slots.record(block[:, :n].tolist())
+                if ended:  # idle rows: nothing to write, column 0 to attend to (never an empty row)
+                    idx = torch.tensor(ended, device=device)
+                    active[idx] = 0
+                    lengths[idx] = 0
+                    d.mask[idx] = False
+                    d.mask[idx, 0, 0, 0] = True
+    finally:
+        views.use(None)
+    return slots.outputs()
+
+
+def _prefill_rows(
+    run: Run,
+    admitted: list[tuple[int, int]],
+    slots: Slots,
+    plan: WritePlan,
+    d: Decode,
+    lengths: torch.Tensor,
+    active: torch.Tensor,
+    cur: torch.Tensor | None,
+) -> torch.Tensor:
+    """Prefill the admitted sequences into their rows, those of one prompt length together (no padding:
+    each row's last column is its last token); their first logits go into ``cur``'s rows."""
+    device, max_len = run.graphs.device, run.graphs.max_len
+    by_len: dict[int, list[tuple[int, int]]] = {}
+    for r, s in admitted:
+        by_len.setdefault(len(slots.prompts[s]), []).append((r, s))
+    for p, group in by_len.items():
+        idx = torch.tensor([r for r, _ in group], device=device)
+        ids = torch.tensor([slots.prompts[s] for _, s in group], dtype=torch.long, device=device)
+        pos = torch.arange(p, device=device).expand(len(group), p)
+        causal = torch.ones((p, max_len), dtype=torch.bool, device=device).tril()
+        plan.prefill(idx)
+        logits = run.forward(ids, causal.expand(len(group), 1, p, max_len), pos)
+        if cur is None:
+            cur = torch.zeros((run.graphs.batch_size, logits.shape[-1]), dtype=logits.dtype, device=device)
+        cur[idx] = logits.to(cur.dtype)
+        lengths[idx] = p
+        active[idx] = 1
+        d.mask[idx] = False
+        d.mask[idx, 0, 0, :p] = True
+    assert cur is not None
+    return cur

@@ -1,0 +1,40 @@
+"""The next token of each row from a step's logits: greedy at temperature 0, else drawn from the tempered
+distribution truncated to its top-p nucleus, with the generation's own generator.
+
+It runs on the device after each decode step (a graph replay or an eager forward) with no host sync: the
+tokens stay there until the generation loop (``_generate``) reads a block of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_sampling", "sample"]
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Raises ``ValueError`` if ``temperature`` is negative (or NaN) or ``top_p`` is not in (0, 1]."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    """One token per row: greedy at temperature 0, else from the tempered, top-p truncated distribution.
+
+    Rows go through in slices, so the fp32 probabilities of a large batch over a large vocabulary never
+    exist all at once."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    rows = max(1, (1 << 28) // (4 * logits.shape[-1]))  # ~256 MiB of fp32 per slice
+    out = []
+    for part in logits.split(rows):
+        probs = torch.softmax(part.float() / temperature, -1)
+        if top_p < 1:
+            sorted_p, order = probs.sort(-1, descending=True)
+            # Keep a token while the mass before it is below top_p (the most likely one is always kept).
+            drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0))
+        out.append(torch.multinomial(probs, 1, generator=gen)[:, 0])
+    return torch.cat(out)
