@@ -3,8 +3,10 @@
 - :class:`Engine` (``engine.py``): the protocol ``PhaseManager`` drives, ``sleep(level)`` / ``wake(tags)``,
   as vLLM's and SGLang's engines have it;
 - :class:`HFSampler` (``sampler.py``): rlmem's own batched sampler for Hugging Face causal LMs, its KV cache
-  a Region, decoding under CUDA graphs over length buckets; its kernels (``_gqa``, ``_qkv``, ``_fused``)
-  and batches kept full (``_slots``) beside it;
+  a Region (``_cache``), decoding under CUDA graphs over length buckets (``_graphs``); beside it the rollout
+  copy and the FSDP twin (``_weights``), generation one batch at a time or kept full (``_generate``,
+  ``_slots``), sampling (``_sampling``) and its kernels (``_gqa``, ``_qkv``, ``_fused``); its settings as
+  one config (:class:`SamplerConfig`, ``config.py``);
 - engines that drive another process: :class:`PeerEngine` (``process_engine.py``: a rollout process on the
   same GPU, reached through the broker; :class:`EngineSeat` and :func:`serve_engine` on its side),
   :class:`RemoteEngine` (``http_engine.py``: rlmem's, vLLM's or SGLang's server over HTTP),
@@ -24,6 +26,7 @@ _WHERE = {
     "TAGS": ".engine",
     "Engine": ".engine",
     "HFSampler": ".sampler",
+    "SamplerConfig": ".config",
     "kv_bytes_per_token": ".sampler",
     "EngineSeat": ".process_engine",
     "PeerEngine": ".process_engine",

@@ -20,6 +20,7 @@ import torch
 
 from ..memory.region import Region
 from ..plan.shapes import kv_bytes_per_token as _kv_bytes
+from .config import kv_batch
 
 __all__ = [
     "Forward",
@@ -55,13 +56,8 @@ def batch_size_for(
 ) -> int:
     """``batch_size`` checked, or as many sequences of ``max_len`` as ``kv_budget_bytes`` holds."""
     per_seq = kv_bytes_per_token(config, dtype) * max_len
-    if batch_size is None:
-        if not isinstance(kv_budget_bytes, int) or kv_budget_bytes < per_seq:
-            raise ValueError(
-                f"kv_budget_bytes must hold at least one sequence of max_len={max_len} "
-                f"({per_seq} bytes); got {kv_budget_bytes!r}"
-            )
-        batch_size = kv_budget_bytes // per_seq
+    if batch_size is None:  # the one sizing of a KV batch by bytes, the recipe's too
+        batch_size = kv_batch(per_seq, kv_budget_bytes, max_len=max_len)  # type: ignore[arg-type]
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     return batch_size
