@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,18 @@ def spawn_ranks(worker: Any, world: int, out: str, *args: Any) -> None:
     mp.spawn(worker, args=(world, port, out, *args), nprocs=world, join=True)
     with open(out) as f:
         print(f.read())
+
+
+class JSONHandler(BaseHTTPRequestHandler):
+    """A quiet request handler answering JSON (the stand-ins of the servers rlmem's clients talk to)."""
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def _answer(self, code: int, body: object) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

@@ -14,9 +14,10 @@ import json
 import os
 import pickle
 import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import torch
+from _helpers import JSONHandler
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 loaded: dict[str, torch.Tensor] = {}
@@ -56,18 +57,7 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *a):  # quiet
-        pass
-
-    def _answer(self, code: int, body: object) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(JSONHandler):
     def do_GET(self):
         if self.path == "/health":
             return self._answer(200, {})

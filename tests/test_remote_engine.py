@@ -16,11 +16,12 @@ import sys
 import threading
 import time
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import pytest
 import torch
+from _helpers import JSONHandler
 
 from rlmem import Region
 from rlmem.colocate import FenceError, RemoteError
@@ -112,18 +113,7 @@ class StandIn:
         self.loaded: dict[str, torch.Tensor] = {}
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _answer(self, code: int, body: object) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JSONHandler):
             def do_GET(self):
                 self._route("GET")
 
