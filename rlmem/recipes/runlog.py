@@ -86,7 +86,11 @@ class RunLog:
     def record(self, r: StepResult, tl: MemoryTimeline, engine: Any, switches: Any) -> dict[str, Any]:
         """The step's record, summed over the ranks: what ``log.jsonl``, the loggers and the line show."""
         world = self.rt.world
-        mine = [r.rewards.sum().item(), len(r.rewards), r.loss, r.kl, r.resp_tokens, r.tokens]
+        # PyTorch's allocator retries a failed cudaMalloc after freeing its cache and synchronizing: a
+        # train phase that slows for no change in its work often does that (cumulative, over the ranks)
+        dev = self.rt.device
+        retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) if dev.type == "cuda" else 0
+        mine = [r.rewards.sum().item(), len(r.rewards), r.loss, r.kl, r.resp_tokens, r.tokens, retries]
         stats = self.rt.all_reduce(torch.tensor(mine, dtype=torch.float64))
         cfg = self.cfg
         return {
@@ -108,6 +112,7 @@ class RunLog:
             "used_rollout": max_used(tl, "rollout", r.step),
             "used_train": max_used(tl, "train", r.step),
             "skipped_updates": r.skipped,
+            "alloc_retries": int(stats[6].item()),  # so far
             **({"eval/reward": r.eval_reward} if r.eval_reward is not None else {}),
             "kv_batch": engine.batch_size,
             "graph_captures": engine.captures,  # so far: the same after step 0 unless the weights moved
