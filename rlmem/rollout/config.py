@@ -9,19 +9,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import check_choice, check_flag
+from .._checks import check_choice, check_flag, check_int
 from .._dtypes import DTYPE_NAMES, torch_dtype
 
 __all__ = ["SamplerConfig", "kv_batch"]
-
-
-def _positive_int(field: str, v: Any, *, none: bool = False) -> None:
-    if none and v is None:
-        return
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(
-            f"SamplerConfig.{field} must be a positive int{' or None' if none else ''}, got {v!r}"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,20 +52,17 @@ class SamplerConfig:
     refill: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_len, int) or isinstance(self.max_len, bool) or self.max_len < 2:
-            raise ValueError(f"SamplerConfig.max_len must be an int >= 2, got {self.max_len!r}")
-        _positive_int("batch_size", self.batch_size, none=True)
-        _positive_int("kv_budget_bytes", self.kv_budget_bytes, none=True)
+        check_int("SamplerConfig.max_len", self.max_len, minimum=2)
+        for name in ("batch_size", "kv_budget_bytes", "kv_block"):  # None: sized or chosen by the sampler
+            if getattr(self, name) is not None:
+                check_int(f"SamplerConfig.{name}", getattr(self, name))
         if self.batch_size is None and self.kv_budget_bytes is None:
             raise ValueError("SamplerConfig: give batch_size or kv_budget_bytes")
-        for name in ("pad_token_id", "eos_token_id"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"SamplerConfig.{name} must be an int >= 0, got {v!r}")
+        check_int("SamplerConfig.pad_token_id", self.pad_token_id, minimum=0)
+        check_int("SamplerConfig.eos_token_id", self.eos_token_id, minimum=0)
+        check_int("SamplerConfig.sync_every", self.sync_every)
         if self.compute_dtype is not None:
             check_choice("compute_dtype", self.compute_dtype, tuple(DTYPE_NAMES))
-        _positive_int("sync_every", self.sync_every)
-        _positive_int("kv_block", self.kv_block, none=True)
         check_choice("cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
         check_choice("fused", self.fused, ("auto", "on", "off"))
         check_choice("gqa", self.gqa, ("auto", "off"))

@@ -141,11 +141,6 @@ def _sampler_config(args: argparse.Namespace) -> Any:
         raise ValueError(f"--sampler-config: {e}") from None
 
 
-def _max_len(args: argparse.Namespace) -> int | None:
-    sc = getattr(args, "sampler_config_", None)
-    return args.max_len if sc is None else sc.max_len
-
-
 def _from_flags(args: argparse.Namespace, model: Any, tok: Any) -> Any:
     """The sampler's config from the flags; what they leave out from the tokenizer and the model."""
     from .._units import parse_bytes
@@ -167,8 +162,9 @@ def _from_flags(args: argparse.Namespace, model: Any, tok: Any) -> Any:
     )
 
 
-def load(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
-    """The model (on the meta device with ``--weights shared``) and its tokenizer (or None)."""
+def load(args: argparse.Namespace, device: Any, max_len: int | None = None) -> tuple[Any, Any]:
+    """The model (on the meta device with ``--weights shared``) and its tokenizer (or None); ``max_len``:
+    the sequences it must position ('tiny' is built for them)."""
     import torch
 
     from ..recipes.config import GRPOConfig
@@ -197,7 +193,7 @@ def load(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
     tok: Any = None
     if args.model == "tiny":
         tok = _CharText()
-        model = build_policy(cfg, device, dtype, tok.tok.vocab_size, _max_len(args) or 0)
+        model = build_policy(cfg, device, dtype, tok.tok.vocab_size, max_len or 0)
     else:
         model = build_policy(cfg, device, dtype, 0)
         try:
@@ -276,7 +272,7 @@ def _run(args: argparse.Namespace) -> int:
         _say(f"token (pass --token to choose one): {token}")
     if args.uds is not None:
         _check_uds(Path(args.uds), token)
-    args.sampler_config_ = _sampler_config(args)
+    given = _sampler_config(args)
     for name in ("max_len", "batch_size"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -287,10 +283,10 @@ def _run(args: argparse.Namespace) -> int:
         f"loading {args.model} on {device}"
         + (" (weights from the trainer)" if args.weights == "shared" else "")
     )
-    model, tok = load(args, device)
+    model, tok = load(args, device, given.max_len if given is not None else args.max_len)
     n = sum(p.numel() for p in model.parameters())
     _say(f"loaded {n / 1e6:.1f}M parameters in {time.perf_counter() - t0:.1f} s")
-    sc = args.sampler_config_ or _from_flags(args, model, tok)
+    sc = given or _from_flags(args, model, tok)
     if device.type != "cuda":
         sc = dataclasses.replace(sc, cuda_graphs="off")
     kw = sc.sampler_kwargs()
