@@ -32,6 +32,8 @@ Public API:
 import importlib
 from typing import Any
 
+from ._lazy import lazy_names
+
 # Imported on first use (PEP 562), so `rlmem --help` and `rlmem train --help` answer without loading torch.
 _WHERE = {
     "ActivationOffloader": ".activations",
@@ -66,15 +68,13 @@ _WHERE = {
 }
 
 
+_names = lazy_names(__name__, _WHERE)
+
+
 def __getattr__(name: str) -> Any:
     if name in ("comm", "colocate", "integrations", "rollout"):
         return importlib.import_module(f".{name}", __name__)
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module 'rlmem' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where, __name__), name)
-    globals()[name] = value
-    return value
+    return _names(name)
 
 
 def __dir__() -> list[str]:

@@ -16,9 +16,7 @@ The engines that drive another process (``PeerEngine``, ``EngineSeat``, ``serve_
 Imports :mod:`rlmem.memory`, nothing above it.
 """
 
-import importlib
-from typing import Any
-
+from .._lazy import lazy_names
 from . import wire
 from .broker import Broker, default_path
 from .member import Fence, FenceError, Grant, Member, PeerLostError, RemoteError, describe
@@ -48,9 +46,4 @@ __all__ = [
 _MOVED = {"EngineSeat", "PeerEngine", "serve_engine", "FLAVORS", "RemoteEngine"}
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module 'rlmem.colocate' has no attribute {name!r}")
-    value = getattr(importlib.import_module("rlmem.rollout"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, dict.fromkeys(_MOVED, "rlmem.rollout"))
