@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import warnings
@@ -253,9 +252,8 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
 
 if __name__ == "__main__":
     mode, cycles, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from _helpers import free_port
+
     t0 = time.perf_counter()
-    mp.spawn(worker, args=(2, mode, cycles, port, out), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, mode, cycles, free_port(), out), nprocs=2, join=True)
     print(f"done in {time.perf_counter() - t0:.1f} s")

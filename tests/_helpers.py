@@ -49,15 +49,19 @@ def run_fresh(code: str, timeout: float = 600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (for a rendezvous or a server started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def spawn_ranks(worker: Any, world: int, out: str, *args: Any) -> None:
     """Run ``worker(rank, world, port, out, *args)`` in ``world`` processes (``port``: a free one for the
     process group's rendezvous), then print what rank 0 wrote to ``out``."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(world, port, out, *args), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), out, *args), nprocs=world, join=True)
     with open(out) as f:
         print(f.read())
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _helpers import free_port
 
 VERSION = "0.32.0"
 TORCH = "2.13.0"
@@ -60,12 +61,6 @@ def with_rlmem(python: Path) -> str:
     return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` on ``model`` (its dev endpoints on: ``/sleep``,
     ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``), answering at :attr:`url`.
@@ -75,7 +70,7 @@ class Server:
     """
 
     def __init__(self, python: Path, model: Path, log: Path, *extra: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]

@@ -9,20 +9,13 @@ inner ``torch.optim.AdamW`` over fp32 main-parameter clones); the real one runs 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from _helpers import run_fresh
+from _helpers import free_port, run_fresh
 
 pytest.importorskip("megatron.core")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _PRELUDE = """
@@ -87,7 +80,7 @@ def step(ddp, opt):
 
 
 def _run(body: str, device: str = "cpu", timeout: float = 600) -> dict:
-    code = _PRELUDE.replace("__PORT__", str(_free_port())).replace("__DEVICE__", device) + body
+    code = _PRELUDE.replace("__PORT__", str(free_port())).replace("__DEVICE__", device) + body
     return run_fresh(code, timeout=timeout)
 
 
@@ -334,7 +327,7 @@ def _example(*launcher: str) -> subprocess.CompletedProcess:
     from _helpers import ROOT
 
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "PYTHONPATH": path, "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "PYTHONPATH": path, "MASTER_PORT": str(free_port())}
     return subprocess.run(
         [*launcher, str(ROOT / "examples" / "megatron_colocated.py"), "--steps", "2"]
         + (["--tp", "2"] if len(launcher) > 1 else []),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import time
 import httpx
 import pytest
 import torch
+from _helpers import free_port
 
 from rlmem.colocate import RemoteError
 from rlmem.recipes.config import GRPOConfig
@@ -213,14 +213,8 @@ def test_serve_default_max_new_tokens_fits_max_len(device, monkeypatch):
         core.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_on_tcp_needs_its_token(tmp_path, procs):
-    port = _free_port()
+    port = free_port()
     eng = RemoteEngine(f"http://127.0.0.1:{port}", token="s3cret", timeout=60)
     _start(["tiny", "--device", "cpu", "--port", str(port), "--token", "s3cret"], eng, procs)
     assert eng.generate(["12="], max_new_tokens=2)

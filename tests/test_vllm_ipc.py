@@ -7,7 +7,6 @@ IPC is what it tests (the refusals off a GPU are in ``test_remote_engine.py``)."
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import free_port
 from _vllm_ipc_standin import digest
 from torch import nn
 
@@ -25,18 +25,12 @@ from rlmem.rollout.http_engine import RemoteEngine
 pytestmark = pytest.mark.cuda
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def standin():
     procs = []
 
     def start(insecure: bool = True) -> str:
-        port = _port()
+        port = free_port()
         env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1" if insecure else "0"}
         script = Path(__file__).with_name("_vllm_ipc_standin.py")
         procs.append(subprocess.Popen([sys.executable, str(script), str(port)], env=env))
