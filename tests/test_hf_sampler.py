@@ -22,6 +22,21 @@ def test_batched_greedy_matches_unbatched_generate(device):
     assert s.tokens_generated == sum(len(g) for g in got)
 
 
+def test_a_model_left_training_samples_as_in_eval_and_stays_training(device):
+    # TRL hands its model over in training mode with gradient checkpointing on: sampling must see neither
+    # dropout nor the checkpointing that makes transformers' layers drop the KV cache.
+    model = tiny_qwen2(device)
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    want = [reference(model, p, 10) for p in PROMPTS]  # eval mode
+    model.gradient_checkpointing_enable()
+    model.train()
+    s = HFSampler(model, max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2)
+    assert s.generate(PROMPTS, max_new_tokens=10, temperature=0) == want
+    assert all(m.training for m in model.modules())
+
+
 def test_cache_lives_in_the_region_and_sleeps(device):
     model = tiny_qwen2(device)
     s = HFSampler(model, max_len=24, batch_size=2, pad_token_id=0, eos_token_id=2)

@@ -2,14 +2,19 @@
 distribution truncated to its top-p nucleus, with the generation's own generator.
 
 It runs on the device after each decode step (a graph replay or an eager forward) with no host sync: the
-tokens stay there until the generation loop (``_generate``) reads a block of them.
+tokens stay there until the generation loop (``_generate``) reads a block of them. :func:`eval_mode` is the
+mode the model samples in, whatever mode its owner left it in.
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
+from collections.abc import Iterator
 
-__all__ = ["check_sampling", "sample"]
+import torch
+from torch import nn
+
+__all__ = ["check_sampling", "eval_mode", "sample"]
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
@@ -38,3 +43,18 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0))
         out.append(torch.multinomial(probs, 1, generator=gen)[:, 0])
     return torch.cat(out)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block, the modules that were training put back after it. A model
+    handed over in training mode (TRL's, between its steps) must not sample with dropout, nor with gradient
+    checkpointing, which makes transformers' layers (5.17 and earlier) drop the KV cache."""
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True

@@ -38,6 +38,7 @@ from ._generate import OwnStream, Run, check_request, generate_batch, generate_f
 from ._gqa import grouped_decode
 from ._graphs import Decode, DecodeGraphs, length_block
 from ._qkv import FusedQKV
+from ._sampling import eval_mode
 from ._weights import attached_state, check_rollout_dtype, copy_parameters, first_param, rollout_copy, sharded
 
 __all__ = ["HFSampler", "kv_bytes_per_token"]
@@ -347,7 +348,7 @@ class HFSampler:
         swap = _fused(self._runner, self._kernels) if self.fused else contextlib.nullcontext()
         packed = grouped_decode(self._runner) if self.gqa else contextlib.nullcontext()
         qkv = self._qkv.swapped() if self._qkv is not None else contextlib.nullcontext()
-        with self._autocast(ids.device), swap, packed, qkv:
+        with eval_mode(self._runner), self._autocast(ids.device), swap, packed, qkv:
             if self.weights is None:
                 out = self.model(**kwargs)
             else:  # the same modules (or the sharded model's twin) over the rollout copy
