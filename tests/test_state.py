@@ -323,3 +323,26 @@ def test_model_on_two_devices_gets_a_region_per_device():
 
     ref, got = run(False), run(True)
     assert ref[0] == got[0] and all(torch.equal(a, b) for a, b in zip(ref[1], got[1], strict=True))
+
+
+def test_gradients_left_to_pytorch_with_grads_false(device):
+    def cycle(st, step):
+        st.offload(params="offload", optimizer="offload", blocking=True)
+        st.reload(blocking=True)
+
+    kept = _train(device, "adamw-foreach", state_kwargs={"grads": False}, cycle=cycle)
+    _assert_same(_train(device, "adamw-foreach"), kept)
+    _, _, _, st, model, _ = kept
+    assert st.regions("grads") == [] and st.stats().categories["grads"].bytes == 0
+    assert all(
+        p.grad is None for p in model.parameters()
+    )  # zero_grad() freed them: nothing held between steps
+    model(_batches(1, device)[0]).float().sum().backward()
+    params = [(r.data_ptr, r.data_ptr + r.nbytes) for r in st.regions("params")]
+    assert not any(
+        a <= p.grad.data_ptr() < b for p in model.parameters() if p.grad is not None for a, b in params
+    )
+    with pytest.raises(ValueError, match=r"grads='discard'.*grads=False"):
+        st.offload(grads="discard")
+    with pytest.raises(ValueError, match="grads must be"):
+        TrainState(make(0, device), grads=None)

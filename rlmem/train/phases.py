@@ -37,7 +37,9 @@ class OffloadConfig:
             checkpoint or a weight sync, see :meth:`TrainState.offload`), ``"discard"`` (weights the caller
             reloads itself, e.g. synced from the rollout engine) or ``"keep"`` (the rollout runs on the
             training model).
-        grads: default ``"discard"`` (gradients become None, as after ``zero_grad()``).
+        grads: default ``"discard"`` (gradients become None, as after ``zero_grad()``); ``"keep"`` leaves
+            them PyTorch's own, not adopted (``TrainState(grads=False)``), for a loop whose backward runs
+            while the rollout phase lasts.
         optimizer: default ``"offload"``.
         buffers: default ``"keep"``; anything else adopts the model's buffers too.
         empty_cache: after offloading, return PyTorch's cached free blocks to the driver, so the rollout
@@ -164,7 +166,13 @@ class PhaseManager:
         self._switches.update(count=0, overlapped=False)
         self._rollout_base: int | None = None  # the allocator's reserved bytes as the rollout began
         if config.offload_during_rollout:
-            self.state = TrainState(model, optimizer, buffers=config.buffers != "keep", name="phase")
+            self.state = TrainState(
+                model,
+                optimizer,
+                buffers=config.buffers != "keep",
+                grads=config.grads != "keep",  # kept gradients stay PyTorch's, freed by zero_grad() as usual
+                name="phase",
+            )
             if config.reserve_backups:
                 self._reserve()
 

@@ -87,6 +87,9 @@ class TrainState:
             Megatron-Core's ``get_megatron_optimizer`` returns (its fp32 main parameters are adopted with
             the optimizer states), or None.
         buffers: also adopt the model's buffers (category ``"buffers"``).
+        grads: adopt the gradients (category ``"grads"``). False leaves them PyTorch's own, made by backward
+            and freed by ``zero_grad()`` as without rlmem, for a loop that never offloads them: a Region
+            would hold their bytes between steps, where PyTorch holds none.
         name: a label for Regions, errors and stats.
 
     Raises:
@@ -108,6 +111,7 @@ class TrainState:
         optimizer: Any = None,
         *,
         buffers: bool = False,
+        grads: bool = True,
         name: str = "train",
     ) -> None:
         if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
@@ -126,6 +130,8 @@ class TrainState:
                 f"torch optimizer, or chained ones) or None, got {type(optimizer).__name__}"
             )
         check_flag("buffers", buffers)
+        check_flag("grads", grads)
+        self._adopts_grads = grads
         self.model = model
         self.optimizer = optimizer
         self.name = name
@@ -150,9 +156,10 @@ class TrainState:
         rest = params
         for s in self._sources:
             rest = s.adopt_params(rest)
-        rest = params
-        for s in self._sources:
-            rest = s.adopt_grads(rest)
+        if grads:
+            rest = params
+            for s in self._sources:
+                rest = s.adopt_grads(rest)
         # Whether a forward pass with autograd on would write gradients into Regions (FSDP's are made by its
         # reduce-scatter and adopted only when offloaded).
         autograd_grads = bool(self._kit.records("grads"))
@@ -283,7 +290,7 @@ class TrainState:
         self,
         *,
         params: str = "offload",
-        grads: str = "discard",
+        grads: str | None = None,
         optimizer: str = "offload",
         buffers: str = "keep",
         blocking: bool = False,
@@ -307,7 +314,8 @@ class TrainState:
                 uninitialised (for weights the caller reloads itself; ``state_dict()`` meanwhile is
                 refused); discarded
                 gradients become None (as after ``zero_grad()``); discarded optimizer states are forgotten
-                (``step()`` starts from fresh state, as a new optimizer would).
+                (``step()`` starts from fresh state, as a new optimizer would). ``grads`` None:
+                ``"discard"``, or ``"keep"`` for a state made with ``grads=False``.
             blocking: return once the memory is released; otherwise release continues in the background
                 (``reload()``, ``synchronize()`` and the next ``offload()`` wait for it). Either way the
                 references are re-pointed before the call returns, and on a GPU the current stream is
@@ -320,7 +328,8 @@ class TrainState:
                 asked for FSDP2 parameters (see :meth:`check_policies`).
             HostOutOfMemoryError: a backup could not be allocated; nothing has been released.
         """
-        policies = self.check_policies(params=params, grads=grads, optimizer=optimizer, buffers=buffers)
+        if grads is None:
+            grads = "discard" if self._adopts_grads else "keep"
         policies = self.check_policies(params=params, grads=grads, optimizer=optimizer, buffers=buffers)
         check_flag("blocking", blocking)
         self._check_open()
@@ -376,6 +385,11 @@ class TrainState:
             "optimizer": check_policy("optimizer", optimizer),
             "buffers": check_policy("buffers", buffers),
         }
+        if not self._adopts_grads and pol["grads"] != "keep":
+            raise ValueError(
+                f"grads={grads!r}: TrainState {self.name!r} was made with grads=False, so its gradients are "
+                "PyTorch's own and only grads='keep' applies"
+            )
         for s in self._sources:
             s.check(pol)
         return pol
