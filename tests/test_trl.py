@@ -6,6 +6,7 @@ optimizer's bytes are away from the device while TRL generates and scores."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -94,6 +95,9 @@ def test_the_callback_changes_nothing_and_keeps_the_optimizer_away_while_trl_gen
     # generates and scores
     assert len(seen) == 3 and seen[1:] == [0, 0], seen
     assert cb.pm.state.stats().categories["optimizer"].bytes > 0
+    # the gradients stay PyTorch's, freed by TRL's zero_grad() between steps as without the callback: no
+    # Region holds their bytes through generation
+    assert cb.pm.state.stats().categories["grads"].bytes == 0
 
 
 @pytest.mark.parametrize(
@@ -191,3 +195,38 @@ def test_the_benchmark_runs_its_parts_on_the_cpu(tmp_path):
     data = json.loads(out.read_text())
     assert data["summary"]["bit_identical"] is True and data["summary"]["optimizer_gib"] > 0
     assert all(len(data["results"][p]["steps"]) == 2 for p in ("trl", "callback"))
+
+
+def test_the_benchmarks_peak_drops_a_reading_begun_before_its_window():
+    # The sampling thread's read can begin in one phase and return after the next has been marked (it waits
+    # out the same device synchronize): what it read belongs to the phase before, not to the new window.
+    import threading
+
+    from rlmem.benchmarks.trl import _Used
+
+    began, release = threading.Event(), threading.Event()
+    state = {"used": 100}
+
+    def read() -> int:
+        v = state["used"]
+        if threading.current_thread() is not threading.main_thread() and not release.is_set():
+            began.set()
+            assert release.wait(10)
+        return v
+
+    used = _Used(torch.device("cpu"), read=read)
+    try:
+        assert began.wait(10)  # the thread has read 100 and is held
+        state["used"] = 10  # the phase changed: 10 in use now
+        used.mark()
+        release.set()
+        time.sleep(0.05)  # the held reading comes back, and later ones read 10
+        assert used.peak() == 10
+        state["used"] = 30
+        deadline = time.monotonic() + 10
+        while used.top != 30 and time.monotonic() < deadline:  # the thread still samples the window
+            time.sleep(0.001)
+        state["used"] = 20
+        assert used.peak() == 30
+    finally:
+        used.stop()

@@ -46,10 +46,17 @@ TARGETS = {
 
 
 class _Used:
-    """The device's memory in use, sampled by a thread: :meth:`mark` starts a window, :meth:`peak` ends it."""
+    """The device's memory in use, sampled by a thread: :meth:`mark` starts a window, :meth:`peak` ends it.
 
-    def __init__(self, device: torch.device) -> None:
+    A reading the thread began before :meth:`mark` belongs to the window before and is dropped: the
+    thread's read can wait for a device synchronize the mark itself waited out, and then returns what was
+    in use before it (the last phase's peak, credited to the next one)."""
+
+    def __init__(self, device: torch.device, read: Any = None) -> None:
         self.device, self.top, self._stop = device, 0, False
+        self._read = read or self._used
+        self._lock = threading.Lock()
+        self._window = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -61,18 +68,28 @@ class _Used:
 
     def _run(self) -> None:
         while not self._stop:
-            self.top = max(self.top, self._used())
+            window = self._window
+            v = self._read()
+            with self._lock:
+                if window == self._window:
+                    self.top = max(self.top, v)
             time.sleep(0.001)
 
     def mark(self) -> None:
-        self.top = self._used()
+        v = self._read()
+        with self._lock:
+            self._window += 1
+            self.top = v
 
     def peak(self) -> int:
-        self.top = max(self.top, self._used())
-        return self.top
+        v = self._read()
+        with self._lock:
+            self.top = max(self.top, v)
+            return self.top
 
     def stop(self) -> None:
         self._stop = True
+        self._thread.join(timeout=5)
 
 
 def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:

@@ -7,10 +7,11 @@ As TRL 1.16 and transformers' ``Trainer`` run a step: ``on_step_begin`` (once pe
 gradient-accumulation passes), generation inside ``training_step`` (``_generate_and_score_completions``,
 the reference's forward passes among them), forward and backward, gradient clipping,
 ``on_pre_optimizer_step``, ``optimizer.step()``. The callback enters :class:`~rlmem.PhaseManager`'s rollout
-phase at the first (optimizer states out; gradients kept, as backward writes them then; parameters kept,
-as generation runs on them) and its train phase at the second (the states back; the step waits for them
-alone). Training is what it is without the callback, bit for bit. A vLLM that TRL runs (``use_vllm``) is left
-to TRL, which already sleeps and wakes it.
+phase at the first (optimizer states out; gradients left to PyTorch, as backward writes them then and
+TRL's ``zero_grad()`` frees them after the step; parameters kept, as generation runs on them) and its
+train phase at the second (the states back; the step waits for them alone). Training is what it is
+without the callback, bit for bit. A vLLM that TRL runs (``use_vllm``) is left to TRL, which already
+sleeps and wakes it.
 
 :func:`sampler_rollout` is TRL's ``rollout_func`` on rlmem's :class:`~rlmem.rollout.HFSampler`
 (CUDA graphs, batches kept full) sampling from a copy of the policy (``rollout_dtype``, bf16 by default):
@@ -110,7 +111,9 @@ class RLMemCallback(TrainerCallback):
             offload_during_rollout=self.offload,
             # generation runs on the training weights, or (sampler_rollout) on a copy of them
             params="offload" if self.around_generation else "keep",
-            grads="keep",  # backward writes them while the states are away
+            # backward writes them while the states are away; kept, they stay PyTorch's (not adopted), so
+            # between steps they take no memory, as without the callback
+            grads="keep",
             optimizer="offload",
             reserve_backups=self.reserve_backups,
         )
