@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu|megatron-4] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -10,6 +10,10 @@
 # bench-grpo passes its args to rlmem bench grpo_colocated (e.g. --parts big-offload --merge);
 # bench-act passes its args to rlmem bench activations (e.g. --models qwen2-wide).
 # bench-megatron passes its args to rlmem bench megatron (e.g. --parts switch).
+# megatron-4 (4 GPUs): rlmem bench megatron_parallel over every layout that fits (tp2, tp2-sp, pp2, dp2 and the
+# four-rank tp2pp2, tp4, tp2pp2-vpp) into megatron_parallel-<machine>.json, then the gpus(2) and gpus(4) tests of
+# tests/test_megatron_parallel.py (args go to the benchmark, e.g. --layouts tp2pp2,tp4,tp2pp2-vpp;
+# MEGATRON4_TESTS=0 skips the tests). Carry .whl with megatron-core.
 # bench-colocate passes its args to rlmem bench colocate (e.g. --parts handoff --merge).
 # serve runs the CUDA tests of rlmem serve, engine=server and the two-process handoff (args go to pytest);
 # bench-server passes its args to rlmem bench grpo_colocated --engine server (e.g. --parts big-offload --merge).
@@ -263,5 +267,15 @@ if [[ $what == bench-two-gpu ]]; then
   python3 -m rlmem bench grpo_colocated --engine server --gpus 2 --rollout-dtype bf16 --machine "$name" \
     --json "$OUT/grpo_server-$name.json" "$@" 2>&1 | tee "$OUT/bench_grpo_server.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == megatron-4 ]]; then
+  # The benchmark first: its JSON is what the call is for, should the tests run past the call's limit.
+  python3 -m rlmem bench megatron_parallel --machine "$name" --json "$OUT/megatron_parallel-$name.json" "$@" \
+    2>&1 | tee "$OUT/bench_megatron_parallel.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  if [[ ${MEGATRON4_TESTS:-1} == 1 ]]; then
+    python3 -m pytest -q -rs -m gpus tests/test_megatron_parallel.py 2>&1 | tee "$OUT/tests_megatron_4.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  fi
 fi
 exit $status
