@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu|megatron-4] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu|server-gpus|comm-gpus|tests-gpus|megatron-4] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -19,6 +19,20 @@
 # bench-server passes its args to rlmem bench grpo_colocated --engine server (e.g. --parts big-offload --merge).
 # Carry .whl (torch_memory_saver 0.0.10 for the phase_switch comparison, megatron-core 0.16.1 cp312 for the
 # Megatron tests and benchmark, fastapi / starlette / pydantic / uvicorn for rlmem serve); see docs/benchmarks.md.
+#
+# Every GPU of the machine (four for the four-GPU runs), each call ending within CALL_S seconds (default 540: the
+# device tool stops a command at 600), every command under coreutils' timeout with what the call has left:
+# server-gpus: rlmem bench grpo_colocated --engine server --gpus <all> --rollout-dtype bf16 --merge, the parts its
+#   args name (--parts ...; one or two a call), with --time-budget the call's time left, so a part that would run
+#   past the call is cut or not started and the file is still written. The file of earlier calls is merged: from
+#   /tmp/rlmem-results while the machine stays warm, else from bench/results/. Where the carried NCCL is staged,
+#   server-big-suspend (comms=suspend; the bytes freed per rank in its summary and log) loads it, no other part.
+# comm-gpus: rlmem bench comm on all GPUs with the carried NCCL (comm-<machine>.json), then with the machine's own
+#   (comm_machine_nccl-<machine>.json); COMM_VARIANTS (default: default) and the args go to both (e.g. --reps 3).
+# tests-gpus: the tests marked gpus(n) of GPU_TESTS (default: those that take a world size) with the carried NCCL
+#   where staged, -v with durations; args go to pytest (e.g. -k world4 for the four-rank runs).
+# A call carrying .nccl/part.K and .nccl/libnccl.sha256 (scripts/nccl_parts.sh prepare) receives the part first
+# and assembles the library in /tmp/rlmem-nccl once all are there, so the parts travel with calls doing other work.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlmem-gpu-check}
@@ -28,10 +42,26 @@ shift || true
 machine=${RLMEM_MACHINE:-}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
+# The call's deadline (bash's SECONDS counts from the script's start) and a command bounded by it.
+deadline=$((SECONDS + ${CALL_S:-540}))
+bounded() {  # bounded RESERVE CMD...: CMD under timeout, given the call's time left less RESERVE seconds
+  local t=$((deadline - SECONDS - $1))
+  shift
+  if ((t < 30)); then
+    echo "not run, ${t} s of the call left: $*" >&2
+    return 124
+  fi
+  timeout -k 10 "$t" "$@"
+}
 # Wheels carried to the GPU machine (.whl/, git-ignored): see the header.
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+# The carried NCCL (scripts/nccl_parts.sh): this call's part received, the library assembled once whole.
+nccl_lib=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}/libnccl.so.2
+if compgen -G ".nccl/part.*" > /dev/null; then
+  bash scripts/nccl_parts.sh collect 2>&1 | tee "$OUT/nccl_collect.log"
 fi
 
 {
@@ -270,12 +300,55 @@ if [[ $what == bench-two-gpu ]]; then
 fi
 if [[ $what == megatron-4 ]]; then
   # The benchmark first: its JSON is what the call is for, should the tests run past the call's limit.
-  python3 -m rlmem bench megatron_parallel --machine "$name" --json "$OUT/megatron_parallel-$name.json" "$@" \
-    2>&1 | tee "$OUT/bench_megatron_parallel.log"
+  bounded 10 python3 -m rlmem bench megatron_parallel --machine "$name" --json "$OUT/megatron_parallel-$name.json" \
+    "$@" 2>&1 | tee "$OUT/bench_megatron_parallel.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   if [[ ${MEGATRON4_TESTS:-1} == 1 ]]; then
-    python3 -m pytest -q -rs -m gpus tests/test_megatron_parallel.py 2>&1 | tee "$OUT/tests_megatron_4.log"
+    bounded 5 python3 -m pytest -q -rs -m gpus tests/test_megatron_parallel.py 2>&1 | tee "$OUT/tests_megatron_4.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   fi
+fi
+if [[ $what == server-gpus ]]; then
+  # GPUS: fewer ranks than GPUs (or, with --device cpu in the args, Gloo ranks on the host)
+  gpus=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+  f=grpo_server-$name.json
+  kept=${RLMEM_KEPT_DIR:-/tmp/rlmem-results}  # this file between the calls made while the machine stays warm
+  mkdir -p "$kept"
+  if [[ -f $kept/$f ]]; then
+    cp "$kept/$f" "$OUT/"
+  elif [[ -f bench/results/$f ]]; then
+    cp "bench/results/$f" "$OUT/"
+  fi
+  suspend=()
+  [[ -f $nccl_lib ]] && suspend=(--suspend-nccl "$nccl_lib")
+  # The benchmark stops starting (and cuts) parts 30 s before the call's end, to write its file; the timeout
+  # 10 s before it is the net under that.
+  bounded 10 python3 -m rlmem bench grpo_colocated --engine server --gpus "$gpus" --rollout-dtype bf16 --merge \
+    --time-budget $((deadline - SECONDS - 30)) "${suspend[@]}" --machine "$name" --json "$OUT/$f" "$@" \
+    2>&1 | tee "$OUT/bench_grpo_server_gpus.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  [[ -f $OUT/$f ]] && cp "$OUT/$f" "$kept/"
+fi
+if [[ $what == comm-gpus ]]; then
+  # The carried NCCL first (its suspend path is what is measured), leaving COMM_MACHINE_S for the machine's.
+  if [[ -f $nccl_lib ]]; then
+    bounded "${COMM_MACHINE_S:-150}" env LD_PRELOAD="$nccl_lib${LD_PRELOAD:+:$LD_PRELOAD}" python3 -m rlmem bench \
+      comm --machine "$name" --json "$OUT/comm-$name.json" --variants "${COMM_VARIANTS:-default}" "$@" \
+      2>&1 | tee "$OUT/bench_comm_carried.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  else
+    echo "no carried NCCL at $nccl_lib (scripts/nccl_parts.sh): the machine's NCCL only" | tee "$OUT/bench_comm_carried.log"
+    status=1
+  fi
+  bounded 10 python3 -m rlmem bench comm --machine "$name" --json "$OUT/comm_machine_nccl-$name.json" \
+    --variants "${COMM_VARIANTS:-default}" "$@" 2>&1 | tee "$OUT/bench_comm_machine_nccl.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == tests-gpus ]]; then
+  [[ -f $nccl_lib ]] && export LD_PRELOAD="$nccl_lib${LD_PRELOAD:+:$LD_PRELOAD}"
+  python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())' 2>&1 | tee "$OUT/tests_gpus_nccl.txt"
+  read -r -a files <<< "${GPU_TESTS:-tests/test_comm.py tests/test_grpo_dist.py tests/test_serve_dist.py tests/test_state_process.py tests/test_megatron.py}"
+  bounded 10 python3 -m pytest -v -rs --durations=0 -m gpus "${files[@]}" "$@" 2>&1 | tee "$OUT/tests_gpus.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 exit $status

@@ -8,11 +8,14 @@
 #   or:              scripts/nccl_parts.sh prepare-file LIB       # a library built by scripts/nccl_build.sh
 #   GPU, per part:   scripts/nccl_parts.sh receive               # carry ".nccl/part.K" (and .nccl/libnccl.sha256)
 #   GPU, at the end: scripts/nccl_parts.sh assemble              # /tmp/rlmem-nccl/libnccl.so.2, checked
+#   GPU, any call:   scripts/nccl_parts.sh collect               # receive, and assemble once all are there
+#                    (scripts/gpu_check.sh does this at the start of every call that carries a part, so the
+#                    parts can travel with calls that do other work)
 #   GPU:             LD_PRELOAD=/tmp/rlmem-nccl/libnccl.so.2 python3 -c 'import torch; print(torch.cuda.nccl.version())'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}
-PART_BYTES=54000000  # the repository and the part together stay under 64 MiB
+PART_BYTES=${RLMEM_NCCL_PART_BYTES:-54000000}  # the repository and the part together stay under 64 MiB
 case "${1:-}" in
   prepare)
     version=${2:-2.32.3}
@@ -41,6 +44,22 @@ case "${1:-}" in
     done
     ls -l "$DEST"
     ;;
+  collect)
+    # The parts arrive one per call; the library is whole when their concatenation is a complete xz stream
+    # (xz -t fails on a truncated one), and checked against its sha256 as it is assembled.
+    lib="$DEST/libnccl.so.2"
+    if [[ -f $lib && -f $DEST/libnccl.sha256 ]] \
+      && [[ $(sha256sum "$lib" | cut -d' ' -f1) == "$(cat "$DEST/libnccl.sha256")" ]]; then
+      echo "NCCL already assembled: $lib"
+      exit 0
+    fi
+    bash scripts/nccl_parts.sh receive
+    if compgen -G "$DEST/part.*" > /dev/null && cat "$DEST"/part.* | xz -t 2> /dev/null; then
+      bash scripts/nccl_parts.sh assemble
+    else
+      echo "NCCL parts so far: $(cd "$DEST" && echo part.*)"
+    fi
+    ;;
   assemble)
     cat "$DEST"/part.* | xz -d > "$DEST/libnccl.so.2.tmp"
     want=$(cat "$DEST/libnccl.sha256")
@@ -51,7 +70,7 @@ case "${1:-}" in
     LD_PRELOAD="$DEST/libnccl.so.2" python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())'
     ;;
   *)
-    echo "usage: $0 prepare [VERSION] | prepare-file PATH | receive | assemble" >&2
+    echo "usage: $0 prepare [VERSION] | prepare-file PATH | receive | assemble | collect" >&2
     exit 2
     ;;
 esac

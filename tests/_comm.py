@@ -1,4 +1,4 @@
-"""Two ranks exercising rlmem.comm; each rank writes what it observed to OUT.rank<N>.json.
+"""Ranks (two unless WORLD says) exercising rlmem.comm; each rank writes what it observed to OUT.rank<N>.json.
 
 host:         Gloo groups on CPU with a host-only driver standing in for NCCL (the state machine, the guard,
               group resolution, errors and PhaseManager wiring run for real; the driver counts suspends and
@@ -6,11 +6,11 @@ host:         Gloo groups on CPU with a host-only driver standing in for NCCL (t
 host-rebuild: the same driver without a suspend API, so rlmem.comm falls back to destroying the groups' Gloo
               backends and building new ones: the collectives after each resume run on the rebuilt backends,
               reached through the group objects the program holds.
-cuda:         NCCL groups on two GPUs with the real binding (the libnccl torch loaded): NCCL's suspend where
-              that NCCL has it, the rebuild fallback where it does not.
+cuda:         NCCL groups, a GPU per rank, with the real binding (the libnccl torch loaded): NCCL's suspend
+              where that NCCL has it, the rebuild fallback where it does not.
 cuda-rebuild: NCCL groups with the rebuild fallback forced (method="rebuild").
 
-Run in a fresh process: python tests/_comm.py MODE CYCLES OUT
+Run in a fresh process: python tests/_comm.py MODE CYCLES OUT [WORLD]
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
     res["method"] = method
     original = dist.ProcessGroup.__dict__["allreduce"]
     try:
-        # TP/DP-like splits of two ranks: the world, one group per rank, and a second world-sized group.
+        # TP/DP-like splits: the world, one group per rank, and a second world-sized group.
         singles = [dist.new_group([r]) for r in range(world)]
         mine = singles[rank]
         pair = dist.new_group(list(range(world)))
@@ -252,8 +252,9 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
 
 if __name__ == "__main__":
     mode, cycles, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    world = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     from _helpers import free_port
 
     t0 = time.perf_counter()
-    mp.spawn(worker, args=(2, mode, cycles, free_port(), out), nprocs=2, join=True)
+    mp.spawn(worker, args=(world, mode, cycles, free_port(), out), nprocs=world, join=True)
     print(f"done in {time.perf_counter() - t0:.1f} s")

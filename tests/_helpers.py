@@ -56,6 +56,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def gpu_worlds(*sizes: int) -> list[Any]:
+    """A ``pytest.param`` per world size for a test run with a rank per GPU: marked ``gpus(n)`` (skipped with
+    fewer devices) and named ``world<n>``, so ``-k world4`` picks the four-GPU runs."""
+    import pytest  # here: the scripts the tests spawn import this module too
+
+    return [pytest.param(n, marks=pytest.mark.gpus(n), id=f"world{n}") for n in sizes]
+
+
 def spawn_ranks(worker: Any, world: int, out: str, *args: Any) -> None:
     """Run ``worker(rank, world, port, out, *args)`` in ``world`` processes (``port``: a free one for the
     process group's rendezvous), then print what rank 0 wrote to ``out``."""

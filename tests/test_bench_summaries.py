@@ -83,6 +83,14 @@ def test_grpo_colocated_parts_make_valid_recipe_configs(tmp_path):
         assert cfg.prompts_per_step == 29
     args.gpus = 2  # each GPU the one-GPU workload
     assert grpo_colocated._config(args, "big-offload", str(tmp_path)).prompts_per_step == 58
+    args.gpus = 4
+    for part in grpo_colocated.SERVER_PARTS + grpo_colocated.SERVER_EXTRA_PARTS:
+        cfg = grpo_colocated._config(args, part, str(tmp_path))
+        assert cfg.engine == ("server" if part.startswith("server-") else "local")
+        assert cfg.prompts_per_step == 4 * 29 and cfg.offload == (not part.endswith("-nooffload"))
+        # only the part that asks for it suspends the trainer's communicators, with the handoff's budget
+        assert cfg.comms == ("suspend" if part == "server-big-suspend" else "keep")
+    assert grpo_colocated._config(args, "server-big-suspend", str(tmp_path)).kv_budget == "52.0GiB"
 
 
 def test_grpo_colocated_summary_says_what_the_overlap_leaves_exposed():
@@ -177,6 +185,111 @@ def test_grpo_server_summary_compares_the_two_processes_with_one():
     assert smaller["oom_or_smaller_kv_without"] and not same["oom_or_smaller_kv_without"]
 
 
+def _server_part(step_s: float, world: int, *, freed: list[int] | None = None, server: bool = True) -> dict:
+    """A part of the server benchmark as its lead rank reports it, with every rank's phases."""
+    last = {"step_s": step_s, "switch_s": 0.6, "tokens_per_s": 3e4, "kv_bytes": 51 << 30, "sync_s": 0.07}
+    last.update(peak_rollout=6 << 30, peak_train=22 << 30, kv_batch=464, rollout_s=8.0, train_s=step_s - 9)
+    if freed is not None:
+        last.update(comm_method="suspend", comm_suspend_s=1.9, comm_resume_s=1.8, comm_freed_bytes=freed[0])
+        last["comm_freed_bytes_by_rank"] = freed
+    kv = (51 << 30) if server else None
+    ranks = [
+        {
+            "rollout": {"peak": (6 << 30) + r, "max_server_kv_cache": kv, "max_server_torch_cache": 1 << 30},
+            "train": {"peak": 22 << 30, "max_server_kv_cache": 0 if server else None},
+        }
+        for r in range(world)
+    ]
+    return {"oom": False, "world_size": world, "last": last, "phases": ranks[0], "phases_by_rank": ranks}
+
+
+def test_grpo_server_summary_at_four_ranks_with_the_communicators_suspended():
+    from rlmem.benchmarks import grpo_colocated
+
+    freed = [int(3.8 * (1 << 30)) + r for r in range(4)]
+    res = {
+        "server-big-offload": _server_part(60.0, 4),
+        "big-offload": _server_part(62.0, 4, server=False),
+        "server-big-suspend": _server_part(63.0, 4, freed=freed),
+    }
+    s = grpo_colocated.summarize_server(res)
+    assert s["world_size"] == 4 and s["step_vs_single_process"] == pytest.approx(60.0 / 62.0)
+    assert s["sync_s"] == 0.07 and s["switch_share"] == pytest.approx(0.6 / 60.0)
+    # each rank's trainer and server, in rank order, for every part that ran with the ranks' phases
+    for key in ("server", "single", "server_suspend"):
+        peaks = s[f"rank_peaks_gib_{key}"]
+        assert [p["rollout"] for p in peaks] == [((6 << 30) + r) / (1 << 30) for r in range(4)]
+    assert all(p["server_rollout"] == 52.0 for p in s["rank_peaks_gib_server"])
+    assert all(p["server_rollout"] is None for p in s["rank_peaks_gib_single"])
+    # the suspend part: what every rank's suspend freed, and its step against the same layout with them kept
+    assert s["comm_freed_bytes_by_rank"] == freed and s["comm_method"] == "suspend"
+    assert s["comm_freed_gib_min"] == pytest.approx(freed[0] / (1 << 30))
+    assert s["step_s_server_suspend"] == 63.0 and s["step_suspend_vs_keep"] == pytest.approx(63.0 / 60.0)
+    assert s["switch_share_server_suspend"] == pytest.approx(0.6 / 63.0)
+    assert s["comm_suspend_s"] == 1.9 and s["comm_resume_s"] == 1.8
+    # without the part, none of its keys: the two-GPU file's summary keeps its keys as they were
+    two = grpo_colocated.summarize_server({k: v for k, v in res.items() if k != "server-big-suspend"})
+    assert not [k for k in two if "suspend" in k or k.startswith("comm_")]
+
+
+def test_grpo_server_benchmark_refuses_what_cannot_run(tmp_path, capsys):
+    from rlmem.benchmarks import grpo_colocated
+
+    base = ["--engine", "server", "--device", "cpu", "--model", "tiny", "--json", str(tmp_path / "b.json")]
+    for extra, says in (
+        (["--parts", "server-big-suspend"], "needs --gpus 2 or more"),
+        (["--parts", "server-big-offload", "--gpus", "0"], "--gpus must be at least 1"),
+        (["--parts", "server-big-offload", "--time-budget", "0"], "--time-budget must be positive"),
+        (["--parts", "big-overlap"], "comma-separated subset of"),  # a one-process part, not a server one
+    ):
+        with pytest.raises(SystemExit):
+            grpo_colocated.main([*base, *extra])
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_grpo_server_benchmark_starts_no_part_past_its_time_budget(tmp_path, capsys):
+    # A call that has run out of time writes its file with what ran before: merged parts are kept, and the
+    # part it did not start is said on stderr (and fails the call) rather than left as an error over them.
+    import json
+
+    from rlmem.benchmarks import grpo_colocated
+
+    out = tmp_path / "b.json"
+    argv = ["--engine", "server", "--device", "cpu", "--model", "tiny", "--gpus", "4", "--json", str(out)]
+    kept = {"server-big-offload": _server_part(60.0, 4), "big-offload": _server_part(62.0, 4, server=False)}
+    assert grpo_colocated.main([*argv, "--parts", "big-offload", "--time-budget", "1"]) == 1
+    assert "big-offload: not started" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    out.write_text(json.dumps({**data, "results": kept}))
+    assert grpo_colocated.main([*argv, "--parts", "server-big-suspend", "--time-budget", "1", "--merge"]) == 1
+    data = json.loads(out.read_text())
+    assert data["results"] == kept and data["summary"]["world_size"] == 4
+    assert data["summary"]["step_vs_single_process"] == pytest.approx(60.0 / 62.0)
+
+
+def test_grpo_server_benchmark_loads_the_suspend_nccl_in_its_suspend_part_only(tmp_path, monkeypatch):
+    from rlmem.benchmarks import grpo_colocated
+
+    lib = tmp_path / "libnccl.so.2"
+    lib.write_bytes(b"")
+    calls = {}
+
+    def spawn(module, part, argv, *, env=None, nproc=1, timeout_s=None):
+        calls[part] = {"env": env, "nproc": nproc, "timeout_s": timeout_s}
+        return _server_part(60.0, nproc, freed=[1, 2, 3, 4] if part.endswith("-suspend") else None)
+
+    monkeypatch.setattr(grpo_colocated, "spawn_part", spawn)
+    monkeypatch.setenv("LD_PRELOAD", "/x/other.so")
+    argv = ["--engine", "server", "--device", "cpu", "--model", "tiny", "--gpus", "4"]
+    argv += ["--parts", "server-big-offload,server-big-suspend", "--suspend-nccl", str(lib)]
+    argv += ["--time-budget", "500", "--part-timeout", "3600", "--json", str(tmp_path / "b.json")]
+    assert grpo_colocated.main(argv) == 0
+    assert calls["server-big-offload"]["env"] is None
+    assert calls["server-big-suspend"]["env"] == {"LD_PRELOAD": f"{lib}:/x/other.so"}
+    assert all(c["nproc"] == 4 and c["timeout_s"] <= 500 for c in calls.values())  # the budget bounds each
+
+
 def test_rollout_summary_takes_the_gqa_keys_from_the_gqa_preset_whatever_the_order():
     from rlmem.benchmarks import rollout
 
@@ -261,3 +374,38 @@ def test_merge_refuses_a_file_measured_on_another_device(tmp_path):
     here["device"] = environment(run.device)["device"]
     path.write_text(json.dumps(here))
     assert run.previous() == {"a": 1}
+
+
+def test_a_sigterm_to_a_benchmark_ends_the_part_it_runs(tmp_path):
+    # A part runs in a session of its own (so that one run past its time goes whole), which coreutils'
+    # timeout, signalling the benchmark's process group, does not reach: the benchmark must take it along.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from _helpers import ROOT
+
+    (tmp_path / "sleeper.py").write_text(
+        "import os, sys, time\nopen(sys.argv[-1], 'w').write(str(os.getpid()))\ntime.sleep(120)\n"
+    )
+    pid_file = tmp_path / "pid"
+    code = (
+        "from rlmem.benchmarks._common import spawn_part\n"
+        f"spawn_part('sleeper', 'x', [{str(pid_file)!r}], env={{'PYTHONPATH': {str(tmp_path)!r}}})\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        part = int(pid_file.read_text())
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        bench.kill()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{part}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{part}"), "the part outlived its benchmark"

@@ -1,7 +1,8 @@
 """rlmem.comm: NCCL communicator memory suspended and resumed with the process groups kept.
 
-Two-rank runs happen in fresh processes (tests/_comm.py): on CPU with Gloo groups and a host stand-in for
-NCCL (state machine, guard, errors, PhaseManager wiring), and on two GPUs with the real NCCL binding."""
+Multi-rank runs happen in fresh processes (tests/_comm.py): on two CPU ranks with Gloo groups and a host
+stand-in for NCCL (state machine, guard, errors, PhaseManager wiring; on four once), and on two and four GPUs
+with the real NCCL binding."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _helpers import gpu_worlds
 
 import rlmem
 from rlmem import comm
@@ -20,16 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 
 
-def _run(mode: str, cycles: int, tmp_path: Path) -> list[dict]:
+def _run(mode: str, cycles: int, tmp_path: Path, world: int = 2) -> list[dict]:
     out = tmp_path / "comm"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_comm.py"), mode, str(cycles), str(out)],
+        [sys.executable, str(ROOT / "tests" / "_comm.py"), mode, str(cycles), str(out), str(world)],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads((tmp_path / f"comm.rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((tmp_path / f"comm.rank{r}.json").read_text()) for r in range(world)]
 
 
 def test_version_strings():
@@ -50,22 +52,26 @@ def test_offload_config_comms_is_validated():
         rlmem.OffloadConfig(comms="destroy")
 
 
-def test_two_ranks_host_stand_in(tmp_path):
-    ranks = _run("host", 50, tmp_path)
+# At four ranks a few cycles (four processes on a small CI machine) show what a pair cannot: that every rank
+# suspends the shared groups in one order.
+@pytest.mark.parametrize(("world", "cycles"), [(2, 50), (4, 5)], ids=["world2", "world4"])
+def test_ranks_host_stand_in(tmp_path, world, cycles):
+    ranks = _run("host", cycles, tmp_path, world)
+    assert len(ranks) == world
     for r in ranks:
         assert len(r["errors"]) == 4 and "Nothing was suspended" in r["errors"][3]
         assert "'allreduce' cannot run" in r["guard"]
-        assert len(r["cycles"]) == 50
+        assert len(r["cycles"]) == cycles
         # world, this rank's own group, the pair: 8 MiB each in the stand-in
         assert all(c["freed_bytes"] == 3 * 8 * MiB == c["taken_bytes"] for c in r["cycles"])
         assert r["methods_restored"] and r["guard_removed"] and r["restored_after_destroy"]
         assert r["train_suspended"] == [] and len(r["rollout_suspended"]) == 1
         pair = r["rollout_suspended"][0]
-        assert r["stats"][pair]["suspends"] == 51 and r["stats"][pair]["resumes"] == 51
-        assert r["methods"] == ["suspend"] * 50 and r["rebuilt_objects"] == 0 and not r["warnings"]
-    # Both ranks suspend the shared groups in the same order (NCCL synchronises inside each call).
+        assert r["stats"][pair]["suspends"] == cycles + 1 and r["stats"][pair]["resumes"] == cycles + 1
+        assert r["methods"] == ["suspend"] * cycles and r["rebuilt_objects"] == 0 and not r["warnings"]
+    # Every rank suspends the shared groups in the same order (NCCL synchronises inside each call).
     shared = [[c for c in r["calls_head"] if c[1] in ("0", ranks[0]["rollout_suspended"][0])] for r in ranks]
-    assert shared[0] == shared[1]
+    assert shared[0] and all(x == shared[0] for x in shared[1:])
 
 
 def test_two_ranks_host_rebuild_fallback(tmp_path):
@@ -90,9 +96,10 @@ def test_two_ranks_host_rebuild_fallback(tmp_path):
         assert r["stats"][pair]["method"] == "rebuild"
 
 
-@pytest.mark.gpus(2)
-def test_two_gpus_suspend_resume_50_cycles(tmp_path):
-    ranks = _run("cuda", 50, tmp_path)
+@pytest.mark.parametrize("world", gpu_worlds(2, 4))
+def test_gpus_suspend_resume_50_cycles(tmp_path, world):
+    ranks = _run("cuda", 50, tmp_path, world)
+    assert len(ranks) == world
     for r in ranks:
         if "no_suspend_error" in r:
             # The NCCL torch loaded predates ncclCommSuspend: a clear error naming what would do better.
@@ -108,11 +115,12 @@ def test_two_gpus_suspend_resume_50_cycles(tmp_path):
         assert r["train_suspended"] == []
 
 
-@pytest.mark.gpus(2)
-def test_two_gpus_rebuild_fallback_50_cycles(tmp_path):
+@pytest.mark.parametrize("world", gpu_worlds(2, 4))
+def test_gpus_rebuild_fallback_50_cycles(tmp_path, world):
     # The fallback with real NCCL: communicators destroyed and rebuilt 50 times on the world group, a group
     # per rank and a second world-sized group; all-reduce and all-gather checked after every resume.
-    ranks = _run("cuda-rebuild", 50, tmp_path)
+    ranks = _run("cuda-rebuild", 50, tmp_path, world)
+    assert len(ranks) == world
     for r in ranks:
         assert r["nccl"].startswith("NCCL "), r["nccl"]
         assert r["methods"] == ["rebuild"] * 50 and len(r["cycles"]) == 50

@@ -1,4 +1,5 @@
-"""`torchrun -m rlmem train`: FSDP2 over two ranks, each sampling its share; offload changes nothing."""
+"""`torchrun -m rlmem train`: FSDP2 over two ranks (four on four GPUs), each sampling its share; offload
+changes nothing."""
 
 from __future__ import annotations
 
@@ -7,18 +8,19 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import gpu_worlds
 
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
 
 
-def _torchrun(tmp_path, name: str, *args: str) -> dict:
+def _torchrun(tmp_path, name: str, *args: str, world: int = 2) -> dict:
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={world}",
         "-m",
         "rlmem",
         "train",
@@ -32,15 +34,15 @@ def _torchrun(tmp_path, name: str, *args: str) -> dict:
     return json.loads((tmp_path / name / "summary.json").read_text())
 
 
-def _compare(tmp_path, device: str, *extra: str, steps: int = 3) -> None:
+def _compare(tmp_path, device: str, *extra: str, steps: int = 3, world: int = 2) -> None:
     common = [f"device={device}", f"steps={steps}", "prompts_per_step=8", "group_size=4", "kl_coef=0.1"]
     common += ["updates_per_step=2", "micro_batch_size=4", *extra]
-    off = _torchrun(tmp_path, "off", *common, "offload=false")
-    on = _torchrun(tmp_path, "on", *common, "offload=true")
-    assert off["world_size"] == on["world_size"] == 2 and on["offload"] and not off["offload"]
+    off = _torchrun(tmp_path, "off", *common, "offload=false", world=world)
+    on = _torchrun(tmp_path, "on", *common, "offload=true", world=world)
+    assert off["world_size"] == on["world_size"] == world and on["offload"] and not off["offload"]
     assert on["losses"] == off["losses"] and on["rewards"] == off["rewards"]
     rows = [json.loads(r) for r in (tmp_path / "on" / "log.jsonl").read_text().splitlines()]
-    # rewards and token counts are reduced over both ranks: 8 prompts x 4 samples per step in all
+    # rewards and token counts are reduced over the ranks: 8 prompts x 4 samples per step in all
     assert all(r["tokens"] >= 32 for r in rows)
 
 
@@ -53,14 +55,14 @@ def test_fsdp2_two_cpu_ranks_rollout_copy_offload_on_and_off_identical(tmp_path)
     _compare(tmp_path, "cpu", "rollout_dtype=bf16", steps=2)
 
 
-@pytest.mark.gpus(2)
-def test_fsdp2_two_gpus_offload_on_and_off_identical(tmp_path):
-    _compare(tmp_path, "cuda")
+@pytest.mark.parametrize("world", gpu_worlds(2, 4))
+def test_fsdp2_gpus_offload_on_and_off_identical(tmp_path, world):
+    _compare(tmp_path, "cuda", world=world)
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.parametrize("world", gpu_worlds(2, 4))
 @pytest.mark.parametrize("copy", ["", "rollout_dtype=bf16"], ids=["fsdp-weights", "rollout-copy"])
-def test_fsdp2_two_gpus_comms_suspended_during_rollout_identical(tmp_path, copy):
+def test_fsdp2_gpus_comms_suspended_during_rollout_identical(tmp_path, copy, world):
     # With a rollout copy, FSDP gathers the weights only to fill it (and shards them again at once).
     # The NCCL communicators give their memory back during rollout through NCCL's suspend (an NCCL without
     # it is refused: FSDP2's DTensor reductions reach communicators by name, past the rebuild fallback);
@@ -70,16 +72,19 @@ def test_fsdp2_two_gpus_comms_suspended_during_rollout_identical(tmp_path, copy)
     common = ["device=cuda", "steps=3", "prompts_per_step=8", "group_size=4", "kl_coef=0.1", "offload=true"]
     common += ["updates_per_step=2", "micro_batch_size=4", "save_every=0", *([copy] if copy else [])]
     if not _nccl.library().has_suspend:  # refused up front, before anything is built
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
-        cmd += ["rlmem", "train", *common, "comms=suspend", f"out_dir={tmp_path / 'refused'}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        cmd += ["-m", "rlmem", "train", *common, "comms=suspend", f"out_dir={tmp_path / 'refused'}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode != 0 and "comms='suspend' needs an NCCL that can suspend" in proc.stderr
         return
-    keep = _torchrun(tmp_path, "keep", *common, "comms=keep")
-    susp = _torchrun(tmp_path, "susp", *common, "comms=suspend")
+    keep = _torchrun(tmp_path, "keep", *common, "comms=keep", world=world)
+    susp = _torchrun(tmp_path, "susp", *common, "comms=suspend", world=world)
     assert susp["losses"] == keep["losses"] and susp["rewards"] == keep["rewards"]
     rows = [json.loads(r) for r in (tmp_path / "susp" / "log.jsonl").read_text().splitlines()]
     assert all(r["comm_method"] == "suspend" and r["comm_freed_bytes"] > 0 for r in rows)
+    # every rank's suspend freed memory, not only the lead's
+    assert all(len(r["comm_freed_bytes_by_rank"]) == world for r in rows)
+    assert all(b > 0 for r in rows for b in r["comm_freed_bytes_by_rank"])
     assert susp["comm_freed_bytes_mean"] > 0 and "comm_freed_bytes_mean" not in keep
 
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from _helpers import free_port, run_fresh
+from _helpers import free_port, gpu_worlds, run_fresh
 
 pytest.importorskip("megatron.core")
 
@@ -338,9 +338,10 @@ def _example(*launcher: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.gpus(2)
-def test_example_runs_tensor_parallel_on_two_gpus():
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+@pytest.mark.parametrize("world", gpu_worlds(2, 4))
+def test_example_runs_tensor_parallel_on_gpus(world):
+    # --tp 2 throughout: at four ranks, two tensor-parallel groups side by side (data parallel over them)
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     proc = _example(*run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("step ")]

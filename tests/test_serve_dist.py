@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _helpers import gpu_worlds
 
 pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
@@ -22,8 +23,8 @@ _COMMON = ["prompts_per_step=8", "group_size=4", "kl_coef=0.1", "micro_batch_siz
 _COMMON += ["plot=false", "progress=false"]
 
 
-def _cmd(out: Path, device: str, *args: str) -> list[str]:
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+def _cmd(out: Path, device: str, *args: str, world: int = 2) -> list[str]:
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     return [*run, "-m", "rlmem", "train", f"device={device}", *_COMMON, *args, f"out_dir={out}"]
 
 
@@ -33,10 +34,13 @@ def _rows(out: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
-def _compare(tmp_path: Path, device: str) -> None:
+def _compare(tmp_path: Path, device: str, world: int = 2) -> None:
     for name, extra in (("server", ["engine=server"]), ("local", [])):
         proc = subprocess.run(
-            _cmd(tmp_path / name, device, "steps=3", *extra), capture_output=True, text=True, timeout=900
+            _cmd(tmp_path / name, device, "steps=3", *extra, world=world),
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     server, local = _rows(tmp_path / "server"), _rows(tmp_path / "local")
@@ -44,23 +48,23 @@ def _compare(tmp_path: Path, device: str) -> None:
     assert len(server) == len(local) == 3
     assert [[r[k] for k in keys] for r in server] == [[r[k] for k in keys] for r in local]
     # each rank had its own server, which logged beside the run
-    assert all((tmp_path / "server" / f"server-rank{r}.log").is_file() for r in (0, 1))
+    assert all((tmp_path / "server" / f"server-rank{r}.log").is_file() for r in range(world))
     summary = json.loads((tmp_path / "server" / "summary.json").read_text())
-    assert summary["world_size"] == 2
+    assert summary["world_size"] == world
     # the summary (and the table) have each rank's memory, its server's cache among it; each rank its timeline
     ranks = summary["phases_by_rank"]
-    assert len(ranks) == 2 and all(r["rollout"]["max_server_kv_cache"] > 0 for r in ranks)
+    assert len(ranks) == world and all(r["rollout"]["max_server_kv_cache"] > 0 for r in ranks)
     assert all(r["train"]["max_server_kv_cache"] == 0 for r in ranks)
-    assert (tmp_path / "server" / "timeline-rank1.jsonl").is_file()
+    assert all((tmp_path / "server" / f"timeline-rank{r}.jsonl").is_file() for r in range(1, world))
 
 
 def test_a_server_per_cpu_rank_trains_as_the_local_engine(tmp_path):
     _compare(tmp_path, "cpu")
 
 
-@pytest.mark.gpus(2)
-def test_a_server_per_gpu_trains_as_the_local_engine(tmp_path):
-    _compare(tmp_path, "cuda")
+@pytest.mark.parametrize("world", gpu_worlds(2, 4))
+def test_a_server_per_gpu_trains_as_the_local_engine(tmp_path, world):
+    _compare(tmp_path, "cuda", world)
 
 
 def _server_of_rank(rank: int) -> int | None:
@@ -174,23 +178,23 @@ def test_the_server_benchmark_runs_a_rank_per_device(tmp_path):
     assert data["results"]["big-offload"]["world_size"] == 2
 
 
-@pytest.mark.gpus(2)
-def test_a_server_per_gpu_with_the_trainers_communicators_suspended(tmp_path):
+@pytest.mark.parametrize("world", gpu_worlds(2, 4))
+def test_a_server_per_gpu_with_the_trainers_communicators_suspended(tmp_path, world):
     # While each rank's server samples, the trainer's NCCL communicators give their memory back; training
     # is what it is with them kept. An NCCL that cannot suspend is refused before anything is built.
     from rlmem.comm import _nccl
 
     args = ["steps=2", "engine=server", "rollout_dtype=bf16", "save_every=0"]
     if not _nccl.library().has_suspend:
-        cmd = _cmd(tmp_path / "refused", "cuda", *args, "comms=suspend")
+        cmd = _cmd(tmp_path / "refused", "cuda", *args, "comms=suspend", world=world)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode != 0 and "comms='suspend' needs an NCCL that can suspend" in proc.stderr
         return
     for comms in ("keep", "suspend"):
-        cmd = _cmd(tmp_path / comms, "cuda", *args, f"comms={comms}")
+        cmd = _cmd(tmp_path / comms, "cuda", *args, f"comms={comms}", world=world)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     keep, susp = _rows(tmp_path / "keep"), _rows(tmp_path / "suspend")
     assert [(r["reward"], r["loss"]) for r in keep] == [(r["reward"], r["loss"]) for r in susp]
-    assert all(len(r["comm_freed_bytes_by_rank"]) == 2 for r in susp)
+    assert all(len(r["comm_freed_bytes_by_rank"]) == world for r in susp)
     assert all(b > 0 for r in susp for b in r["comm_freed_bytes_by_rank"])

@@ -1,4 +1,5 @@
-"""TrainState observed from fresh processes: memory during rollout, 200-cycle soak, and DDP on two ranks."""
+"""TrainState observed from fresh processes: memory during rollout, 200-cycle soak, and DDP / FSDP2 on
+several ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from _helpers import ROOT, run_fresh
+from _helpers import ROOT, gpu_worlds, run_fresh
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -117,10 +118,10 @@ def test_two_ranks_on_gloo_match_without_offload(kind, tmp_path):
         assert res["discard_refused"] == ""
 
 
-@pytest.mark.gpus(2)
+@pytest.mark.parametrize("world", gpu_worlds(2, 4))
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_two_gpus_on_nccl_match_without_offload(kind, tmp_path):
-    res = _dist(kind, "nccl", "cuda", tmp_path)
+def test_gpus_on_nccl_match_without_offload(kind, tmp_path, world):
+    res = _dist(kind, "nccl", "cuda", tmp_path, world=world)
     for grads in ("discard", "offload"):
         assert res[grads]["got"] == res[grads]["ref"], grads
         assert res[grads]["touched"] == [True] * 5, grads

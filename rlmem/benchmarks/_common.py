@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -10,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -126,17 +128,37 @@ def spawn_part(
         env={**os.environ, **(env or {})},
         start_new_session=True,  # its own group: a part that runs over its time goes whole
     )
+    # The part runs in a session of its own, which a signal to this process's group (coreutils' timeout,
+    # Ctrl-C) does not reach: a SIGTERM here ends this process through an exception, which takes the part
+    # with it, instead of leaving its ranks on the GPUs.
+    # (Only the main thread can set a handler; None: one not set from Python, left alone.)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    if before is not None:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         out, err = popen.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(popen.pid, signal.SIGKILL)
         out, err = popen.communicate()
         return {"error": f"ran past {timeout_s:g} s: {err[-3000:]}"}
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):  # it may have ended on its own meanwhile
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait()
+        raise
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
     sys.stderr.write(err[-4000:])
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if popen.returncode != 0 or not lines:
         return {"error": f"exit {popen.returncode}: {err[-3000:]}"}
     return json.loads(lines[-1])
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def visible_gpus() -> list[str]:

@@ -26,11 +26,18 @@ same GPU (``rlmem train engine=server``), against the one-process recipe:
   cache the big budget): expected out of memory;
 * ``server-fit-nooffload``: the same with the budget that fits beside the resident train state;
 * ``server-big-offload``: two processes handing the device over through the broker at each switch;
-* ``big-offload``: the one-process recipe, as above.
+* ``big-offload``: the one-process recipe, as above;
+* ``server-big-suspend`` (asked for by name, several GPUs only): ``server-big-offload`` with the trainer's
+  NCCL communicators suspended while its server samples (``comms=suspend``, which needs an NCCL that can
+  suspend: ``--suspend-nccl PATH`` has this part's ranks load one, and no other part's).
 
 Summary: ``fits_with_rlmem``, ``oom_or_smaller_kv_without``, ``step_vs_single_process`` (server-big-offload's
 step time over big-offload's), ``sync_s`` (the shared weights' sync), ``switch_share`` (its exposed switch
-time over its step time), tokens/s and each process's peak per part.
+time over its step time), tokens/s and each process's peak per part; with ``server-big-suspend``, the same
+figures suffixed ``_server_suspend``, ``step_suspend_vs_keep`` (its step over server-big-offload's),
+``comm_freed_bytes_by_rank`` (what each rank's suspend freed in the last step) and its least in GiB
+(``comm_freed_gib_min``), ``comm_suspend_s`` / ``comm_resume_s`` (the lead rank's). Each part records the
+NCCL its ranks loaded (``nccl``) where there are several. ``--time-budget`` bounds a call's parts together.
 
 ``--gpus N``: every part under torchrun, a rank per GPU, each with the one-GPU workload (``--prompts`` is
 per GPU) and, for the server parts, its own server; ``world_size``, and each rank's peaks (its trainer's and
@@ -65,6 +72,9 @@ def _gib(v: float | None) -> float | None:
 
 PARTS = ("big-nooffload", "big-offload", "big-overlap", "half-nooffload", "fit-nooffload")
 SERVER_PARTS = ("server-big-nooffload", "server-fit-nooffload", "server-big-offload", "big-offload")
+# Run only when named: it needs several GPUs and an NCCL that can suspend, which a plain run may not have.
+SERVER_EXTRA_PARTS = ("server-big-suspend",)
+MIN_PART_S = 30.0  # --time-budget: less than this left, a part is not started
 TARGETS = {
     "switch_share_of_step": ("<", 0.05),
     "tokens_per_s_gain": (">", 1.0),
@@ -99,6 +109,7 @@ def _config(args: argparse.Namespace, part: str, out_dir: str) -> Any:
         precision="bf16-mixed",
         offload=not part.endswith("-nooffload"),
         overlap_offload=part.endswith("-overlap"),
+        comms="suspend" if part.endswith("-suspend") else "keep",
         kv_budget=f"{budget}GiB",
         out_dir=out_dir,
         progress=False,
@@ -129,6 +140,7 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any] | None:
         if rank:
             return None
         rows = [json.loads(line) for line in (Path(d) / "log.jsonl").read_text().splitlines()]
+        nccl = _nccl_loaded() if s["world_size"] > 1 and cfg.device == "cuda" else None
     finally:
         if args.part_dir is None:
             shutil.rmtree(d, ignore_errors=True)
@@ -143,7 +155,20 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any] | None:
         "phases": s["phases"],
         **({"phases_by_rank": s["phases_by_rank"]} if "phases_by_rank" in s else {}),
         "precision": s["precision"],
+        **({"comms": cfg.comms, "nccl": nccl} if nccl is not None else {}),
     }
+
+
+def _nccl_loaded() -> str:
+    """Which libnccl this process loaded (torch's own, or one put first with ``LD_PRELOAD``): the parts of
+    one file may have run with different ones."""
+    from ..comm import _nccl
+
+    try:
+        lib = _nccl.library()
+    except RuntimeError as e:  # what it was is provenance; the part's figures stand without it
+        return f"unknown ({e})"
+    return f"NCCL {lib.version_string} ({lib.path})"
 
 
 def _server_peak(r: dict[str, Any], phase: str) -> float | None:
@@ -168,7 +193,8 @@ def summarize_server(res: dict[str, Any]) -> dict[str, Any]:
     if "oom" in without and with_.get("last"):
         smaller = not without["oom"] and without["last"]["kv_bytes"] < with_["last"]["kv_bytes"]
         s["oom_or_smaller_kv_without"] = bool(without["oom"]) or smaller
-    for key, r in (("server", with_), ("server_fit", fit), ("single", one)):
+    susp = res.get("server-big-suspend", {})
+    for key, r in (("server", with_), ("server_fit", fit), ("single", one), ("server_suspend", susp)):
         last = r.get("last")
         if not last:
             continue
@@ -184,7 +210,7 @@ def summarize_server(res: dict[str, Any]) -> dict[str, Any]:
             s[f"server_peak_train_gib_{key}"] = _server_peak(r, "train")
     if with_.get("world_size"):
         s["world_size"] = with_["world_size"]
-    for key, r in (("server", with_), ("single", one)):
+    for key, r in (("server", with_), ("single", one), ("server_suspend", susp)):
         if r.get("phases_by_rank"):  # each rank's trainer, and its server, at their most in each phase (GiB)
             s[f"rank_peaks_gib_{key}"] = [_rank_peaks(ph) for ph in r["phases_by_rank"]]
     if with_.get("last"):
@@ -193,6 +219,19 @@ def summarize_server(res: dict[str, Any]) -> dict[str, Any]:
         s["switch_share"] = w["switch_s"] / w["step_s"]
         if one.get("last"):
             s["step_vs_single_process"] = w["step_s"] / one["last"]["step_s"]
+    if susp.get("last"):
+        u = susp["last"]
+        s["switch_share_server_suspend"] = u["switch_s"] / u["step_s"]
+        if with_.get("last"):
+            s["step_suspend_vs_keep"] = u["step_s"] / with_["last"]["step_s"]
+        s["comm_method"] = u.get("comm_method")
+        s["comm_suspend_s"] = u.get("comm_suspend_s")
+        s["comm_resume_s"] = u.get("comm_resume_s")
+        # the step record's list, gathered over the ranks (the part runs at several only)
+        by_rank = u.get("comm_freed_bytes_by_rank")
+        s["comm_freed_bytes_by_rank"] = by_rank
+        if by_rank:
+            s["comm_freed_gib_min"] = min(by_rank) / _GiB
     return {k: v for k, v in s.items() if v is not None}
 
 
@@ -238,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--engine", choices=("local", "server"), default="local")
     server = pre.parse_known_args(argv)[0].engine == "server"
     parts_of = SERVER_PARTS if server else PARTS
+    named_only = SERVER_EXTRA_PARTS if server else ()
     if server:
         run_ = Run("grpo_server", "Co-located GRPO with the rollout in rlmem serve", SERVER_TARGETS)
     else:
@@ -259,14 +299,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=29, help="prompts per step per GPU (29 x 16 fill 52 GiB)")
     p.add_argument("--gpus", type=int, default=1, help="each part under torchrun, a rank per GPU")
     p.add_argument("--part-timeout", type=float, default=3600.0, help="a part's longest run (s)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds for all the parts of this call: a part gets at most what is left, one is not started "
+        f"with under {MIN_PART_S:g} s left; the JSON is written with what ran",
+    )
     p.add_argument("--group", type=int, default=16, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")
     p.add_argument("--rollout-dtype", default=None, help="the recipe's rollout_dtype (default: None)")
     p.add_argument("--steps", type=int, default=2, help="steps per part; figures from the last")
-    p.add_argument("--parts", default=",".join(parts_of), help=f"which of {', '.join(parts_of)}")
+    p.add_argument(
+        "--parts",
+        default=",".join(parts_of),
+        help=f"which of {', '.join(parts_of + named_only)} (default: all but {', '.join(named_only) or '-'})",
+    )
     p.add_argument("--merge", action="store_true", help="keep the other parts of an existing JSON file")
-    p.add_argument("--part", default=None, choices=PARTS + SERVER_PARTS, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--suspend-nccl",
+        default=None,
+        help="a libnccl that can suspend, loaded (LD_PRELOAD) by server-big-suspend's ranks only: the other "
+        "parts keep the NCCL torch loads",
+    )
+    p.add_argument(
+        "--part", default=None, choices=PARTS + SERVER_PARTS + SERVER_EXTRA_PARTS, help=argparse.SUPPRESS
+    )
     p.add_argument("--part-dir", default=None, help=argparse.SUPPRESS)
     args = run_.parse(argv)
     args.device = str(run_.device)
@@ -283,20 +342,47 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(0)  # as rlmem train does under torchrun: not through the interpreter's teardown
         return 0
     parts = [x for x in args.parts.split(",") if x]
-    if not parts or any(x not in parts_of for x in parts):
-        run_.error(f"--parts must be a comma-separated subset of {', '.join(parts_of)}")
+    if not parts or any(x not in parts_of + named_only for x in parts):
+        run_.error(f"--parts must be a comma-separated subset of {', '.join(parts_of + named_only)}")
+    if args.gpus < 1:
+        run_.error(f"--gpus must be at least 1, got {args.gpus}")
+    for flag, v in (("--part-timeout", args.part_timeout), ("--time-budget", args.time_budget)):
+        if v is not None and v <= 0:
+            run_.error(f"{flag} must be positive, got {v:g}")
+    if args.suspend_nccl is not None and not os.path.isfile(args.suspend_nccl):
+        run_.error(f"--suspend-nccl: no file {args.suspend_nccl!r}")
+    if args.gpus == 1 and any(x.endswith("-suspend") for x in parts):
+        # comms=suspend releases the communicators of several ranks; the recipe refuses it at one.
+        run_.error("--parts server-big-suspend needs --gpus 2 or more")
     args.forward = [a for a in argv if a != "--merge"]
     res: dict[str, Any] = run_.previous() if args.merge else {}
+    t0 = time.monotonic()
+    skipped = []
     for part in parts:
+        timeout_s = args.part_timeout
+        if args.time_budget is not None:
+            left = args.time_budget - (time.monotonic() - t0)
+            if left < MIN_PART_S:
+                # not run rather than cut short: a merged file keeps what an earlier call measured
+                print(f"{part}: not started, {left:.0f} s of --time-budget left", file=sys.stderr)
+                skipped.append(part)
+                continue
+            timeout_s = min(timeout_s, left)
         d = tempfile.mkdtemp(prefix="rlmem-bench-")
         try:
+            env = None
+            if args.suspend_nccl and part.endswith("-suspend"):
+                # before torch starts in the ranks: the library they load is the one they keep
+                pre = os.environ.get("LD_PRELOAD")
+                env = {"LD_PRELOAD": os.path.abspath(args.suspend_nccl) + (f":{pre}" if pre else "")}
             res[part] = spawn_part(
                 "rlmem.benchmarks.grpo_colocated",
                 part,
                 [*args.forward, "--part-dir", d],
+                env=env,
                 nproc=args.gpus,
                 # at several ranks one rank's OOM can leave the others waiting in a collective
-                timeout_s=args.part_timeout,
+                timeout_s=timeout_s,
             )
         finally:
             shutil.rmtree(d, ignore_errors=True)
@@ -308,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k} failed:\n{v}", file=sys.stderr)
     summary = summarize_server(res) if server else summarize(res)
     rows = []
-    for part in parts_of:
+    for part in parts_of + named_only:
         r = res.get(part)
         if not r or "error" in r:
             continue
@@ -353,9 +439,16 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
+    if "comm_freed_bytes_by_rank" in summary:
+        freed = ", ".join(f"{b / _GiB:.2f}" for b in summary["comm_freed_bytes_by_rank"])
+        print(
+            f"server-big-suspend ({summary.get('comm_method')}): NCCL memory freed per rank, GiB: {freed}; "
+            f"suspend {summary.get('comm_suspend_s', float('nan')):.3f} s, "
+            f"resume {summary.get('comm_resume_s', float('nan')):.3f} s (rank 0)"
+        )
     skip = ("forward", "part", "json", "merge", "machine")
     run_.finish(summary, config={k: v for k, v in vars(args).items() if k not in skip}, results=res)
-    return 1 if failed else 0
+    return 1 if failed or skipped else 0
 
 
 if __name__ == "__main__":
