@@ -230,3 +230,15 @@ def test_the_benchmarks_peak_drops_a_reading_begun_before_its_window():
         assert used.peak() == 30
     finally:
         used.stop()
+
+
+def test_the_benchmark_says_whether_trl_repeats_itself():
+    from rlmem.benchmarks.trl import summarize
+
+    def part(sha: str, loss: float) -> dict:
+        steps = [{"gen_s": 1.0, "gen_tokens": 10, "step_s": 2.0, "gen_peak": 2**30, "train_peak": 2**31}] * 2
+        return {"steps": steps, "logs": [{"loss": loss}], "weights_sha256": sha, "optimizer_bytes": 2**30}
+
+    s = summarize({"trl": part("a", 1.0), "callback": part("a", 1.0), "trl-again": part("b", 1.5)})
+    assert s["bit_identical"] is True and s["trl_reproducible"] is False
+    assert s["step_s_trl_again"] == 2.0 and "trl_reproducible" not in summarize({"trl": part("a", 1.0)})

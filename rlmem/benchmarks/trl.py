@@ -2,7 +2,8 @@
 its peak while TRL generates and while it trains, the step time, and generation tokens per second.
 
 The parts: ``trl`` (TRL alone), ``callback`` (:class:`~rlmem.integrations.trl.RLMemCallback`), ``sampler``
-(:func:`~rlmem.integrations.trl.sampler_rollout` and its callback).
+(:func:`~rlmem.integrations.trl.sampler_rollout` and its callback), ``trl-again`` (TRL alone a second time:
+whether TRL repeats itself bit for bit on this device, without which ``bit_identical`` cannot hold).
 
 Each part is a process of its own (a fresh CUDA context) running ``--steps`` GRPO steps of a random model of
 ``--model``'s shape (a preset; the tokenizer trained here, the built-in arithmetic questions as prompts) with
@@ -13,8 +14,9 @@ after the first (its generation compiles and captures); peaks are maxima over th
 
 Summary: ``generation_peak_vs_trl`` (the callback's generation peak over TRL's), ``generation_peak_drop_gib``
 and ``optimizer_gib`` (what the callback keeps away: the optimizer states), ``step_vs_trl`` (the callback's
-step over TRL's), ``generation_speedup_vs_trl`` (tokens per second with the sampler over TRL's), and
-``bit_identical`` (losses, gradient norms and final weights of TRL alone and with the callback).
+step over TRL's), ``generation_speedup_vs_trl`` (tokens per second with the sampler over TRL's),
+``bit_identical`` (losses, gradient norms and final weights of TRL alone and with the callback), and
+``trl_reproducible`` (the same of TRL alone twice).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ._common import format_table, package_version, spawn_part
 from ._harness import Run
 
 NAME = "trl"
-PARTS = ("trl", "callback", "sampler")
+PARTS = ("trl", "callback", "sampler", "trl-again")
 TARGETS = {
     "bit_identical": ("==", True),
     "step_vs_trl": ("<=", 1.05),
@@ -203,14 +205,19 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         if "steps" not in res.get(part, {}):
             continue
         gen_s, toks = med(part, "gen_s"), med(part, "gen_tokens")
-        s[f"step_s_{part}"] = med(part, "step_s")
-        s[f"generation_peak_gib_{part}"] = (top(part, "gen_peak") or 0) / 2**30
-        s[f"train_peak_gib_{part}"] = (top(part, "train_peak") or 0) / 2**30
+        key = part.replace("-", "_")
+        s[f"step_s_{key}"] = med(part, "step_s")
+        s[f"generation_peak_gib_{key}"] = (top(part, "gen_peak") or 0) / 2**30
+        s[f"train_peak_gib_{key}"] = (top(part, "train_peak") or 0) / 2**30
         if gen_s and toks:
-            s[f"generation_tokens_per_s_{part}"] = toks / gen_s
+            s[f"generation_tokens_per_s_{key}"] = toks / gen_s
     base, cb, smp = res.get("trl", {}), res.get("callback", {}), res.get("sampler", {})
+
+    def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        return a["logs"] == b["logs"] and a["weights_sha256"] == b["weights_sha256"]
+
     if "steps" in base and "steps" in cb:
-        s["bit_identical"] = base["logs"] == cb["logs"] and base["weights_sha256"] == cb["weights_sha256"]
+        s["bit_identical"] = same(base, cb)
         s["step_vs_trl"] = s["step_s_callback"] / s["step_s_trl"]
         peak_trl, peak_cb = s["generation_peak_gib_trl"], s["generation_peak_gib_callback"]
         if peak_trl:
@@ -219,6 +226,9 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         s["optimizer_gib"] = base["optimizer_bytes"] / 2**30
         if s["optimizer_gib"]:
             s["generation_peak_drop_vs_optimizer"] = s["generation_peak_drop_gib"] / s["optimizer_gib"]
+    again = res.get("trl-again", {})
+    if "steps" in base and "steps" in again:
+        s["trl_reproducible"] = same(base, again)
     if "steps" in base and "steps" in smp:
         a, b = s.get("generation_tokens_per_s_sampler"), s.get("generation_tokens_per_s_trl")
         if a and b:
@@ -259,16 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in failed.items():
         print(f"{k} failed:\n{v}", file=sys.stderr)
     summary = summarize(res)
+    keys = {part: part.replace("-", "_") for part in parts}
     rows = [
         {
             "part": part,
-            "step": summary.get(f"step_s_{part}"),
-            "gen": summary.get(f"generation_peak_gib_{part}"),
-            "train": summary.get(f"train_peak_gib_{part}"),
-            "tps": summary.get(f"generation_tokens_per_s_{part}"),
+            "step": summary.get(f"step_s_{k}"),
+            "gen": summary.get(f"generation_peak_gib_{k}"),
+            "train": summary.get(f"train_peak_gib_{k}"),
+            "tps": summary.get(f"generation_tokens_per_s_{k}"),
         }
-        for part in parts
-        if f"step_s_{part}" in summary
+        for part, k in keys.items()
+        if f"step_s_{k}" in summary
     ]
     cols = [("part", "part", "s"), ("step", "step s", ".3f"), ("gen", "generation peak GiB", ".2f")]
     cols += [("train", "train peak GiB", ".2f"), ("tps", "generation tok/s", ".0f")]

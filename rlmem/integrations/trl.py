@@ -72,6 +72,11 @@ class RLMemCallback(TrainerCallback):
             None: left where TRL put it (:func:`manage` passes it).
         reserve_backups: allocate the pinned host backups in the background at the start, so the first
             switch runs at link speed.
+        empty_cache: give PyTorch's cached free blocks back to the driver as generation begins (they are
+            what training's activations left), so the device's memory in use drops by them too; TRL's
+            generation then grows the cache again.
+        overlap_offload: generation starts while the optimizer states are still being copied out (the
+            switch costs the step only what generation waits for).
 
     Raises:
         ValueError (at the start of training): a DeepSpeed optimizer, or a TRL older than 0.29.
@@ -85,11 +90,15 @@ class RLMemCallback(TrainerCallback):
         ref_model: nn.Module | None = None,
         *,
         reserve_backups: bool = True,
+        empty_cache: bool = True,
+        overlap_offload: bool = True,
     ) -> None:
         if ref_model is not None and not isinstance(ref_model, nn.Module):
             raise ValueError(f"ref_model must be an nn.Module or None, got {type(ref_model).__name__}")
         self.ref_model = ref_model
-        self.reserve_backups = bool(reserve_backups)
+        self.reserve_backups = check_flag("reserve_backups", reserve_backups)
+        self.empty_cache = check_flag("empty_cache", empty_cache)
+        self.overlap_offload = check_flag("overlap_offload", overlap_offload)
         # sampler_rollout's: the rollout phase is its generation alone (the weights leave too)
         self.around_generation = False
         self.offload = True
@@ -116,6 +125,8 @@ class RLMemCallback(TrainerCallback):
             grads="keep",
             optimizer="offload",
             reserve_backups=self.reserve_backups,
+            empty_cache=self.empty_cache,
+            overlap_offload=self.overlap_offload,
         )
         self.pm = PhaseManager(model, _inner(optimizer), config)
         if self.ref_model is not None and self.ref_state is None:
