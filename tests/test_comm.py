@@ -6,11 +6,10 @@ NCCL (state machine, guard, errors, PhaseManager wiring), and on two GPUs with t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_ranks
 
 import rlmem
 from rlmem import comm
@@ -22,12 +21,7 @@ MiB = 1 << 20
 
 def _run(mode: str, cycles: int, tmp_path: Path) -> list[dict]:
     out = tmp_path / "comm"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_comm.py"), mode, str(cycles), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_ranks(ROOT / "tests" / "_comm.py", mode, str(cycles), str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((tmp_path / f"comm.rank{r}.json").read_text()) for r in (0, 1)]
 
