@@ -15,6 +15,7 @@ Run in a fresh process: python tests/_comm.py MODE CYCLES OUT [WORLD]
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -23,9 +24,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from _helpers import GROUP_TIMEOUT_S, free_port, spawn
 
 import rlmem
 from rlmem import comm
@@ -131,12 +134,14 @@ def expect_error(fn, exc, match: str) -> str:
 def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     res: dict = {"rank": rank}
+    bounded = datetime.timedelta(seconds=GROUP_TIMEOUT_S)  # a peer gone or stuck ends a collective then
     if mode.startswith("cuda"):
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        cuda = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=cuda, timeout=bounded)
         device = f"cuda:{rank}"
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=bounded)
         device = "cpu"
         registry.driver = HostDriver(can_suspend=mode != "host-rebuild")
     method = "rebuild" if mode == "cuda-rebuild" else "auto"
@@ -159,6 +164,7 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
                     lambda: comm.suspend(method="suspend"), RuntimeError, "needs NCCL >="
                 )
                 if mode == "cuda":
+                    dist.barrier()  # both ranks done with the groups before either destroys them
                     return  # "auto" is the rebuild fallback here: the cuda-rebuild run covers it
         else:
             res["errors"] = [
@@ -238,6 +244,7 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
         if mode.startswith("host"):
             res["calls_head"] = drv.calls[:4]
             res["distinct_backends_seen"] = len({id(b) for b in getattr(drv, "rebuild_ids", None) or []})
+        dist.barrier()  # both ranks done with the groups before either destroys one
         for g in (pair, mine):
             dist.destroy_process_group(g)
         dist.destroy_process_group()
@@ -253,8 +260,6 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
 if __name__ == "__main__":
     mode, cycles, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     world = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-    from _helpers import free_port
-
     t0 = time.perf_counter()
-    mp.spawn(worker, args=(world, mode, cycles, free_port(), out), nprocs=world, join=True)
+    spawn(worker, world, world, mode, cycles, free_port(), out)  # each rank leaves with os._exit once done
     print(f"done in {time.perf_counter() - t0:.1f} s")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from _helpers import spawn_ranks
+from _helpers import rank_group, spawn_ranks
 from _models import make
 
 from rlmem import TrainState
@@ -100,12 +100,10 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 def worker(rank: int, world: int, port: int, out: str, kind: str, backend: str, device_kind: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     if device_kind == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
+    with rank_group(backend, rank, world, port):
         res: dict[str, object] = {}
         for grads in ("discard", "offload"):
             touched: list[bool] = []
@@ -123,8 +121,6 @@ def worker(rank: int, world: int, port: int, out: str, kind: str, backend: str, 
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(res, f)
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

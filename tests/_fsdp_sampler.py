@@ -13,12 +13,11 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from _helpers import spawn_ranks
+from _helpers import rank_group, spawn_ranks
 from _models import PROMPTS, tiny_qwen2
 
 from rlmem.rollout import HFSampler
@@ -35,12 +34,10 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: str) 
 
 
 def worker(rank: int, world: int, port: int, out: str, backend: str, device_kind: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     if device_kind == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
+    with rank_group(backend, rank, world, port):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -83,8 +80,6 @@ def worker(rank: int, world: int, port: int, out: str, backend: str, device_kind
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(res, f)
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -3,12 +3,16 @@ process group spawned by a script."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -64,14 +68,75 @@ def gpu_worlds(*sizes: int) -> list[Any]:
     return [pytest.param(n, marks=pytest.mark.gpus(n), id=f"world{n}") for n in sizes]
 
 
-def spawn_ranks(worker: Any, world: int, out: str, *args: Any) -> None:
-    """Run ``worker(rank, world, port, out, *args)`` in ``world`` processes (``port``: a free one for the
-    process group's rendezvous), then print what rank 0 wrote to ``out``."""
+GROUP_TIMEOUT_S = 300.0  # the longest a rank waits in one collective (a peer gone or stuck ends it then)
+
+
+@contextmanager
+def rank_group(backend: str, rank: int, world: int, port: int, **kw: Any) -> Iterator[None]:
+    """This rank's default process group (its rendezvous at 127.0.0.1:``port``) over the block, each
+    collective bounded by :data:`GROUP_TIMEOUT_S`. Leaving the block normally, the ranks meet at a barrier
+    before any of them destroys the group, so that none tears it down while another still uses it; it is
+    destroyed on every path (after an error without the barrier: the peer may be gone)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(worker: Any, nprocs: int, *args: Any) -> None:
+    """``worker(i, *args)`` in ``nprocs`` fresh processes (torch.multiprocessing.spawn: when one fails the
+    others are ended and its error is raised here). A process whose ``worker`` returned leaves at once with
+    ``os._exit(0)``, its output flushed: not through the interpreter's teardown, in which a Gloo rank that
+    had finished its work was seen to abort (SIGABRT, ``terminate called without an active exception``: a
+    C++ thread of the group's leftovers meeting the interpreter as it is torn down), as ``rlmem train``'s
+    ranks were before it left the same way."""
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(world, free_port(), out, *args), nprocs=world, join=True)
+    mp.spawn(_leave_after, args=(worker, *args), nprocs=nprocs, join=True)
+
+
+def _leave_after(i: int, worker: Any, *args: Any) -> None:
+    worker(i, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_ranks(worker: Any, world: int, out: str, *args: Any) -> None:
+    """Run ``worker(rank, world, port, out, *args)`` in ``world`` processes with :func:`spawn` (``port``: a
+    free one for the process group's rendezvous), then print what rank 0 wrote to ``out``."""
+    spawn(worker, world, world, free_port(), out, *args)
     with open(out) as f:
         print(f.read())
+
+
+def run_ranks(script: Path, *args: str, timeout: float = 600, env: dict | None = None) -> Any:
+    """``python script args...`` (a script that spawns ranks) in a session of its own, its output captured
+    (a ``subprocess.CompletedProcess``). Past ``timeout`` the whole session is killed, ranks included, not
+    only their launcher, and the run fails; so is anything of it still there once the launcher exited."""
+    argv = [sys.executable, str(script), *args]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        why = f"{script.name} ran past {timeout:g} s, killed:\n{out[-2000:]}{err[-4000:]}"
+        raise AssertionError(why) from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 class JSONHandler(BaseHTTPRequestHandler):

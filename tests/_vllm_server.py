@@ -63,13 +63,14 @@ def with_rlmem(python: Path) -> str:
 
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` on ``model`` (its dev endpoints on: ``/sleep``,
-    ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``), answering at :attr:`url`.
+    ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``), answering at :attr:`url`; ``path``: a folder
+    its processes import from besides its venv (the modules that ``extra`` names, e.g. a logits processor).
 
     Raises:
         RuntimeError: it exited or did not answer ``/health`` within the bound (its log's end attached).
     """
 
-    def __init__(self, python: Path, model: Path, log: Path, *extra: str) -> None:
+    def __init__(self, python: Path, model: Path, log: Path, *extra: str, path: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -79,6 +80,8 @@ class Server:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: the CPU backend's cache
         env.pop("PYTHONPATH", None)  # the server imports its venv's packages, not this checkout's
+        if path is not None:
+            env["PYTHONPATH"] = str(path)
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=out, env=env, start_new_session=True)
         self._wait()

@@ -7,12 +7,10 @@ with the real NCCL binding."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _helpers import gpu_worlds
+from _helpers import gpu_worlds, run_ranks
 
 import rlmem
 from rlmem import comm
@@ -24,12 +22,7 @@ MiB = 1 << 20
 
 def _run(mode: str, cycles: int, tmp_path: Path, world: int = 2) -> list[dict]:
     out = tmp_path / "comm"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_comm.py"), mode, str(cycles), str(out), str(world)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_ranks(ROOT / "tests" / "_comm.py", mode, str(cycles), str(out), str(world))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((tmp_path / f"comm.rank{r}.json").read_text()) for r in range(world)]
 

@@ -482,14 +482,12 @@ def test_an_overlapped_switch_samples_while_the_optimizer_states_are_copied():
 
 def _fsdp_sampler(tmp_path, backend: str, device: str, world: int) -> dict:
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from _helpers import run_ranks
+
     out = tmp_path / "out.json"
-    script = Path(__file__).parent / "_fsdp_sampler.py"
-    cmd = [sys.executable, str(script), backend, device, str(out), str(world)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = run_ranks(Path(__file__).parent / "_fsdp_sampler.py", backend, device, str(out), str(world))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from _helpers import ROOT, gpu_worlds, run_fresh
+from _helpers import ROOT, gpu_worlds, run_fresh, run_ranks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -95,13 +94,7 @@ def test_rollout_device_memory_is_baseline_plus_one_percent():
 def _dist(kind: str, backend: str, device: str, tmp_path, world: int = 2) -> dict:
     out = tmp_path / f"{kind}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_dist.py"), kind, backend, device, str(out), str(world)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    proc = run_ranks(ROOT / "tests" / "_dist.py", kind, backend, device, str(out), str(world), env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -7,8 +7,10 @@ package index, Python < 3.11)."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -38,7 +40,12 @@ def vllm(tmp_path_factory):
     # vLLM's CPU attention takes head dimensions from 32 up (the families' tiny models have 16)
     heads = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     model = model_dir("llama", d / "llama", tok, **heads)
-    server = Server(python, model, d / "vllm.log", "--weight-transfer-config", '{"backend": "rlmem"}')
+    # _vllm_hold.Hold in a folder of its own on the server's path: it holds a generation in flight on request
+    plugins = d / "plugins"
+    plugins.mkdir()
+    shutil.copy(Path(__file__).with_name("_vllm_hold.py"), plugins)
+    extra = ("--weight-transfer-config", '{"backend": "rlmem"}', "--logits-processors", "_vllm_hold:Hold")
+    server = Server(python, model, d / "vllm.log", *extra, path=plugins)
     server.model, server.python = model, python
     engine = RemoteEngine(server.url, flavor="vllm", timeout=60.0)
     from transformers import AutoTokenizer
@@ -84,27 +91,63 @@ def _in_thread(fn):
 
 
 LONG = dict(max_new_tokens=200, ignore_eos=True)  # vLLM's: no early end, 200 tokens each
+# what vLLM's engine core logs when a sleep finds requests running and waits for them
+WAITED = "Waiting for in-flight requests to complete before sleeping"
 
 
-def _long(engine) -> tuple[list, float]:
-    """The long generation's completions, and how long it took: the fault comes a tenth of that into it."""
+def _until(what, timeout: float, why: str) -> None:
     t0 = time.monotonic()
-    out = engine.generate(PROMPTS, **LONG)
-    return out, time.monotonic() - t0
+    while not what():
+        assert time.monotonic() - t0 < timeout, why
+        time.sleep(0.01)
 
 
-def test_a_sleep_lets_the_generations_in_flight_finish(vllm):
-    # vLLM's /sleep aborts what runs unless told otherwise: the completions came back cut short, as text
-    _, engine, _ = vllm
-    full, took = _long(engine)
-    th, box = _in_thread(lambda: engine.generate(PROMPTS, **LONG))
-    time.sleep(took / 10)  # well inside it: a repeated generation can run faster than the one timed
-    sent = time.monotonic()
-    engine.sleep(1)
-    slept = time.monotonic()
-    th.join(120)
-    engine.wake()
-    assert "error" not in box, box.get("error")
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def test_a_sleep_lets_the_generations_in_flight_finish(vllm, tmp_path):
+    # vLLM's /sleep aborts what runs unless told otherwise: the completions came back cut short, as text.
+    # The generations in flight are another client's: the sleeping engine waits for its own generate calls
+    # before it sends /sleep, so only another's can still run on the server when the sleep reaches it. They
+    # are held in flight (_vllm_hold: each of their steps takes 0.1 s, their 200 tokens 20 s) until the
+    # server's log says the sleep found them running; then they go on at full speed.
+    server, engine, _ = vllm
+    full = engine.generate(PROMPTS, **LONG)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+
+    def waits() -> int:  # the sleeps that found requests running, so far
+        return server.log.read_text(errors="replace").count(WAITED)
+
+    def timed_sleep() -> tuple[float, float]:
+        sent = time.monotonic()
+        engine.sleep(1)
+        return sent, time.monotonic()
+
+    waited = waits()
+    other = RemoteEngine(server.url, flavor="vllm", timeout=120.0)
+    th, box = _in_thread(lambda: other.generate(PROMPTS, **LONG, vllm_xargs={"hold": str(hold)}))
+    sleeper = None
+    try:
+        _until(lambda: _read(hold / "running") == str(len(PROMPTS)), 60, f"never both running: {box}")
+        assert "t" not in box, box  # both running, and held there, as the sleep goes out
+        sleeper, slept_box = _in_thread(timed_sleep)
+        _until(lambda: waits() > waited, 60, f"the sleep never found them running:\n{server.tail()}")
+    finally:
+        (hold / "go").touch()  # never left held
+        if sleeper is not None:
+            sleeper.join(120)
+        th.join(120)
+        other.close()
+        engine.wake()
+    assert "error" not in slept_box, slept_box.get("error")
+    assert "error" not in box, box.get("error")  # none came back aborted
+    assert waits() == waited + 1  # the premise, as the server saw it: the sleep found them running
+    sent, slept = slept_box["out"]
     assert sent < box["t"] <= slept + 0.5  # in flight when the sleep came, done before it returned
     assert box["out"] == full
 
