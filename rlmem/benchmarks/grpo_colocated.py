@@ -162,13 +162,12 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any] | None:
 def _nccl_loaded() -> str:
     """Which libnccl this process loaded (torch's own, or one put first with ``LD_PRELOAD``): the parts of
     one file may have run with different ones."""
-    from ..comm import _nccl
+    from ..comm import nccl_driver
 
     try:
-        lib = _nccl.library()
+        return nccl_driver().describe()
     except RuntimeError as e:  # what it was is provenance; the part's figures stand without it
         return f"unknown ({e})"
-    return f"NCCL {lib.version_string} ({lib.path})"
 
 
 def _server_peak(r: dict[str, Any], phase: str) -> float | None:
