@@ -355,6 +355,20 @@ def test_a_peer_of_another_user_is_refused(broker_path):
         a.close()
 
 
+def test_a_refused_peer_reads_why_even_after_its_hello_was_sent(broker_path):
+    # The hello is already in the broker's socket when it refuses: closed with it unread, the socket would
+    # reset the connection and the peer would read ECONNRESET instead of the refusal waiting for it.
+    with Broker(broker_path, uid=os.getuid() + 1):
+        sock = wire.connect(broker_path, timeout=10)
+        try:
+            wire.send(sock, {"op": "hello", "id": 1, "role": "train", "name": ""})
+            time.sleep(0.5)  # the broker has refused by now
+            msg, _ = wire.recv(sock, timeout=10)
+        finally:
+            sock.close()
+    assert msg["error"] == "refused" and f"uid {os.getuid()}" in msg["message"]
+
+
 def test_the_rollout_killed_mid_switch(device, broker_path, children):
     broker = Broker(broker_path).start()
     ro = children.start(

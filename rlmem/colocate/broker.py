@@ -71,6 +71,22 @@ class _Conn:
         }
 
 
+def _refuse(sock: socket.socket, message: str, drain_s: float = 2.0) -> None:
+    """Tell a refused peer why, then close. What the peer sent meanwhile (its hello) is read first: a Unix
+    socket closed with bytes unread resets the connection, and the peer's read then fails with
+    ``ECONNRESET`` before the refusal waiting in its buffer is read."""
+    try:
+        wire.send(sock, {"re": 0, "ok": False, "error": "refused", "message": message})
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(drain_s)
+        while sock.recv(1 << 16):
+            pass
+    except OSError:
+        pass  # the peer left first, or took longer than drain_s: nothing more is owed to it
+    finally:
+        sock.close()
+
+
 class Broker:
     """The ledger and grant of one device, listening at ``path`` (default: :func:`default_path`).
 
@@ -173,10 +189,8 @@ class Broker:
             try:
                 pid, _ = wire.check_peer(sock, self._uid)
             except wire.PeerRefusedError as e:
-                try:
-                    wire.send(sock, {"re": 0, "ok": False, "error": "refused", "message": str(e)})
-                finally:
-                    sock.close()
+                # On a thread of its own: the refusal waits (briefly) for the peer, never the accept loop.
+                threading.Thread(target=_refuse, args=(sock, str(e)), daemon=True).start()
                 continue
             conn = _Conn(sock, pid)
             with self._cv:
