@@ -1,12 +1,14 @@
 """What a :class:`~rlmem.memory.region.Region` reports about itself: its size, device and chunking, the bytes
 handed out, mapped, committed and backed up, whether it is paused or closed, and :class:`RegionStats`.
 
-A base class of ``Region`` and nothing else: read-only views of the Region's own state (see ``region.py``),
-which the Region changes under its lock.
+The Region's base classes, and nothing else: this one declares the Region's state, once for both (set by
+``Region._build``, changed under its lock; see ``region.py``), and reads it; ``_shared_region.SharedRegion``
+builds on it.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -20,16 +22,21 @@ __all__ = ["RegionInfo"]
 
 
 class RegionInfo:
-    """Properties, ``repr`` and :meth:`stats` of :class:`~rlmem.memory.region.Region` (its base class)."""
+    """The state of :class:`~rlmem.memory.region.Region` (its base class, through ``SharedRegion``), its
+    properties, ``repr`` and :meth:`stats`."""
 
-    # The Region's state these read (set by Region._build).
+    # The Region's state, for these properties and SharedRegion's methods (set by Region._build).
     name: str
+    _lock: threading.RLock
     _device: torch.device
     _backend: Backend
     _nbytes: int
     _chunk: int
     _chunks: list[Any]
     _state: list[Any]
+    _shareable: bool
+    _peer: bool
+    _generation: int
     _used: int
     _paused: bool
     _closed: bool

@@ -3,23 +3,21 @@ it can, the layout and descriptors it exports, a Region made over another proces
 paused peer's mapping of the owner's new memory (``reattach``), and tensors over an attached Region
 (``view``).
 
-A base class of ``Region`` and nothing else: it works on the Region's own state, under the Region's lock, as
-the rest of its methods do (see ``region.py``); the descriptor work and the protocol's refusals are in
-:mod:`rlmem.memory.sharing`.
+A base class of ``Region`` and nothing else, over the Region's state as ``_region_info.RegionInfo`` declares
+it, under the Region's lock as the rest of its methods work (see ``region.py``); the descriptor work and the
+protocol's refusals are in :mod:`rlmem.memory.sharing`.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
 from . import _chunks as table
-from ._stats import Timings
+from ._region_info import RegionInfo
 from ._tensors import check_view, tensor_over
-from .backend import Backend
 from .sharing import SharedLayout, check_export, check_reattach, export_files
 
 __all__ = ["SharedRegion"]
@@ -27,26 +25,10 @@ __all__ = ["SharedRegion"]
 _R = TypeVar("_R", bound="SharedRegion")  # the Region class attach() is called on
 
 
-class SharedRegion:
+class SharedRegion(RegionInfo):
     """Sharing methods of :class:`~rlmem.memory.region.Region` (its base class; see the module docstring)."""
 
-    # The Region's state these methods read and change (set by Region._build).
-    name: str
-    _lock: threading.RLock
-    _device: torch.device
-    _backend: Backend
-    _nbytes: int
-    _chunk: int
-    _chunks: list[Any]
-    _state: list[Any]
-    _shareable: bool
-    _peer: bool
-    _generation: int
-    _used: int
-    _paused: bool
-    _timings: Timings
-
-    # and its methods they call: _check_open(), _settle() (joins the operation in flight), _build().
+    # The Region's methods these call: _check_open(), _settle() (joins the operation in flight), _build().
 
     @property
     def shareable(self) -> bool:

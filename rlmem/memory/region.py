@@ -17,9 +17,9 @@ it, called with what it needs while the lock is held (or on the worker thread of
 which the next operation joins first): the per-chunk loops of mapping, pause, resume and reattach
 (``_chunks``), the device, backend and chunking (``_device``), tensors over the range (``_tensors``), the
 handle and worker of a non-blocking operation (``_handle``), the backup's growth and views (``_backup``),
-the sharing methods (``_shared_region``, a base class) and their descriptor work and refusals (``sharing``),
-what it reports (``_region_info``, a base class: sizes, bytes, state, stats; ``_stats``). The physical work is
-in the backends.
+the sharing methods (``_shared_region``, its base class) and their descriptor work and refusals
+(``sharing``), what it reports (``_region_info``, the base of that, which declares its state; ``_stats``).
+The physical work is in the backends.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from ._backup import BackupViews, check_kept, drop_backup, grow_backup
 from ._device import check_sizes, chunking, make_backend, resolve_device
 from ._handle import Handle, finish, note_copies, worker
 from ._pinned import HostBuffer
-from ._region_info import RegionInfo
 from ._shared_region import SharedRegion
 from ._stats import RegionStats, Timings
 from ._tensors import check_request, check_room, span_of, tensor_over
@@ -52,7 +51,7 @@ __all__ = ["Handle", "Region", "RegionStats"]
 _DEFAULT_ALIGN = 256
 
 
-class Region(RegionInfo, SharedRegion):
+class Region(SharedRegion):
     """A fixed range of device memory that can be paused (physical memory released) and resumed.
 
     Args:
