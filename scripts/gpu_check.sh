@@ -63,6 +63,12 @@ nccl_lib=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}/libnccl.so.2
 if compgen -G ".nccl/part.*" > /dev/null; then
   bash scripts/nccl_parts.sh collect 2>&1 | tee "$OUT/nccl_collect.log"
 fi
+preload_carried_nccl() {  # torch (started after this) loads the carried NCCL, where it is assembled
+  if [[ -f $nccl_lib ]]; then
+    export LD_PRELOAD="$nccl_lib${LD_PRELOAD:+:$LD_PRELOAD}"
+  fi
+  return 0
+}
 
 {
   date -u
@@ -205,8 +211,7 @@ if [[ $what == bench-vmm ]]; then
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == comm ]]; then
-  lib=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}/libnccl.so.2
-  [[ -f $lib ]] && export LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}"
+  preload_carried_nccl
   python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())' 2>&1 | tee "$OUT/comm_nccl.txt"
   if [[ ${COMM_TESTS:-1} == 1 ]]; then
     python3 -m pytest -q -rs tests/test_comm.py 2>&1 | tee "$OUT/tests_comm.log"
@@ -238,15 +243,13 @@ if [[ $what == comm-patch ]]; then
 fi
 if [[ $what == comm-debug ]]; then
   # What one group allocates, from NCCL's own log (one file per rank under $OUT).
-  lib=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}/libnccl.so.2
-  [[ -f $lib ]] && export LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}"
+  preload_carried_nccl
   NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ALLOC NCCL_DEBUG_FILE="$OUT/nccl.%h.%p.log" \
     python3 -m rlmem bench comm --machine "$name" --counts 1 --reps 1 --phase-gib 0 "$@" 2>&1 | tail -5
 fi
 if [[ $what == grpo-dist ]]; then
   # rlmem train under torchrun on every GPU: the 2.7B example, communicators kept and suspended.
-  lib=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}/libnccl.so.2
-  [[ -f $lib ]] && export LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}"
+  preload_carried_nccl
   gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   if [[ ${GRPO_DIST_TESTS:-1} == 1 ]]; then
     python3 -m pytest -q -rs tests/test_grpo_dist.py -k "gpus" 2>&1 | tee "$OUT/tests_grpo_dist.log"
@@ -345,7 +348,7 @@ if [[ $what == comm-gpus ]]; then
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == tests-gpus ]]; then
-  [[ -f $nccl_lib ]] && export LD_PRELOAD="$nccl_lib${LD_PRELOAD:+:$LD_PRELOAD}"
+  preload_carried_nccl
   python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())' 2>&1 | tee "$OUT/tests_gpus_nccl.txt"
   read -r -a files <<< "${GPU_TESTS:-tests/test_comm.py tests/test_grpo_dist.py tests/test_serve_dist.py tests/test_state_process.py tests/test_megatron.py}"
   bounded 10 python3 -m pytest -v -rs --durations=0 -m gpus "${files[@]}" "$@" 2>&1 | tee "$OUT/tests_gpus.log"
