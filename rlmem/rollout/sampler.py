@@ -206,7 +206,8 @@ class HFSampler:
         full batch (with the fused projections' copy after them)."""
         self.cache = static_cache(self.model.config, self.max_len, self._dtype)
         ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=device)
-        probe(self.cache, self._forward, ids, type(self.model).__name__)
+        with eval_mode(self._runner):
+            probe(self.cache, self._forward, ids, type(self.model).__name__)
         # The fused projections' weights (``_qkv``): a copy derived from the weights, refreshed before each
         # generation, so it lives and sleeps with the cache. Not for a sharded model sampled as it is (its
         # weights are whole only inside its forward).
@@ -348,7 +349,7 @@ class HFSampler:
         swap = _fused(self._runner, self._kernels) if self.fused else contextlib.nullcontext()
         packed = grouped_decode(self._runner) if self.gqa else contextlib.nullcontext()
         qkv = self._qkv.swapped() if self._qkv is not None else contextlib.nullcontext()
-        with eval_mode(self._runner), self._autocast(ids.device), swap, packed, qkv:
+        with self._autocast(ids.device), swap, packed, qkv:
             if self.weights is None:
                 out = self.model(**kwargs)
             else:  # the same modules (or the sharded model's twin) over the rollout copy
@@ -406,7 +407,8 @@ class HFSampler:
         t0 = time.perf_counter()
         if self._qkv is not None:
             self._qkv.refresh(self._state)
-        self._graphs.capture_all(self.cache, self._decoder, self._forward)
+        with eval_mode(self._runner):
+            self._graphs.capture_all(self.cache, self._decoder, self._forward)
         torch.cuda.synchronize(self.region.device)
         return time.perf_counter() - t0
 
@@ -457,7 +459,8 @@ class HFSampler:
         gen = torch.Generator(device=device)
         gen.manual_seed(int(torch.randint(2**62, ()).item()) if seed is None else seed)
         out: list[list[int]] = []
-        with self._own_stream.next_generation():
+        # The model's mode is set once per call, not per decode step (it walks every module).
+        with self._own_stream.next_generation(), eval_mode(self._runner):
             if self._qkv is not None:  # the weights may have changed since the last generation
                 self._qkv.refresh(self._state)
             run = self._run()
