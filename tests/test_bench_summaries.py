@@ -409,3 +409,25 @@ def test_a_sigterm_to_a_benchmark_ends_the_part_it_runs(tmp_path):
     while os.path.exists(f"/proc/{part}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{part}"), "the part outlived its benchmark"
+
+
+def test_grpo_colocated_names_the_loaded_nccl_through_the_driver(monkeypatch):
+    """The part's record names the libnccl its ranks loaded (``Driver.describe``, a property), and what
+    that lookup raises never costs the part's figures."""
+    from types import SimpleNamespace
+
+    from rlmem.benchmarks import grpo_colocated
+    from rlmem.comm import _driver, _suspend
+
+    lib = SimpleNamespace(version_string="2.32.3", path="/x/libnccl.so.2", has_suspend=True)
+    monkeypatch.setattr(_driver._nccl, "library", lambda: lib)
+    monkeypatch.setattr(_suspend.registry, "driver", None)
+    via = "torch ProcessGroupNCCL.suspend" if _driver.torch_has_api() else "ctypes"
+    assert grpo_colocated._nccl_loaded() == f"NCCL 2.32.3 (/x/libnccl.so.2; via {via})"
+
+    def broken():
+        raise OSError("libnccl.so.2: cannot open shared object file")
+
+    monkeypatch.setattr(_driver._nccl, "library", broken)
+    monkeypatch.setattr(_suspend.registry, "driver", None)
+    assert grpo_colocated._nccl_loaded().startswith("unknown (libnccl.so.2: cannot open")
