@@ -13,7 +13,8 @@
 # megatron-4 (4 GPUs): rlmem bench megatron_parallel over every layout that fits (tp2, tp2-sp, pp2, dp2 and the
 # four-rank tp2pp2, tp4, tp2pp2-vpp) into megatron_parallel-<machine>.json, then the gpus(2) and gpus(4) tests of
 # tests/test_megatron_parallel.py (args go to the benchmark, e.g. --layouts tp2pp2,tp4,tp2pp2-vpp;
-# MEGATRON4_TESTS=0 skips the tests). Carry .whl with megatron-core.
+# MEGATRON4_TESTS=0 skips the tests). Carry .whl with megatron-core. With --comms suspend (every NCCL group
+# suspended while the state is away) the carried NCCL is loaded and the file is megatron_parallel_suspend-*.
 # bench-colocate passes its args to rlmem bench colocate (e.g. --parts handoff --merge).
 # serve runs the CUDA tests of rlmem serve, engine=server and the two-process handoff (args go to pytest);
 # bench-server passes its args to rlmem bench grpo_colocated --engine server (e.g. --parts big-offload --merge).
@@ -302,8 +303,14 @@ if [[ $what == bench-two-gpu ]]; then
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == megatron-4 ]]; then
+  f=megatron_parallel-$name.json
+  if [[ " $* " == *" --comms suspend "* || " $* " == *" --comms=suspend "* ]]; then
+    # NCCL's suspend needs the carried NCCL (the tests then run with it too); its own file
+    preload_carried_nccl
+    f=megatron_parallel_suspend-$name.json
+  fi
   # The benchmark first: its JSON is what the call is for, should the tests run past the call's limit.
-  bounded 10 python3 -m rlmem bench megatron_parallel --machine "$name" --json "$OUT/megatron_parallel-$name.json" \
+  bounded 10 python3 -m rlmem bench megatron_parallel --machine "$name" --json "$OUT/$f" \
     "$@" 2>&1 | tee "$OUT/bench_megatron_parallel.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   if [[ ${MEGATRON4_TESTS:-1} == 1 ]]; then

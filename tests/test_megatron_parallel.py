@@ -91,6 +91,34 @@ def test_summary_of_the_two_gpu_file():
     assert set(data["summary"]) <= set(megatron_parallel.TARGETS)
 
 
+def test_comms_suspend_is_refused_on_the_host(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        megatron_parallel.main(["--device", "cpu", "--comms", "suspend", "--json", str(tmp_path / "x")])
+    assert "--comms suspend" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_summary_of_the_four_gpu_file_and_the_rates_together():
+    # the committed four-GPU figures (written before the rates with every rank copying at once) summarize
+    # to what the file says
+    path = Path(__file__).parents[1] / "bench/results/megatron_parallel-nvidia-h100-x4.json"
+    data = json.loads(path.read_text())
+    s = megatron_parallel.summarize(data["results"])
+    assert {k: s[k] for k in data["summary"]} == data["summary"]
+    assert "offload_vs_together_min" not in s and "comm_freed_bytes_min" not in s
+    # with them: the least over every rank's steps after the first, as for the rates alone
+    cyc = {"freed_fraction": 1.0, "params_read": True, "main_read": True, "offload_vs_pinned": 0.5}
+    cyc |= {"reload_vs_pinned": 0.6, "offload_vs_together": 0.9, "reload_vs_together": 0.95}
+    cyc |= {"comm_groups": 7, "comm_freed_bytes": 3 << 30}
+    first = {**cyc, "offload_vs_together": 0.1, "comm_freed_bytes": 1}
+    rank = {"losses": [1.0], "ref": [1.0], "same_params": True, "same_main": True, "act_grads_equal": None}
+    ranks = [{**rank, "cycles": [first, cyc, {**cyc, "reload_vs_together": 0.92}]}] * 2
+    s = megatron_parallel.summarize({"tp2": {"ranks": ranks}})
+    assert s["offload_vs_together_min"] == 0.9 and s["reload_vs_together_min"] == 0.92
+    assert s["comm_freed_bytes_min"] == 3 << 30 and s["comm_groups"] == 7
+    assert s["offload_vs_pinned_min"] == 0.5 and s["tp2_bit_identical"]
+
+
 @pytest.mark.gpus(2)
 def test_two_gpus(tmp_path):
     data = _run(
@@ -110,6 +138,22 @@ def test_four_gpus(tmp_path):
     s = data["summary"]
     assert s["tp2pp2_bit_identical"] and s["tp2pp2_vpp_bit_identical"] and s["tp4_bit_identical"]
     assert s["freed_fraction_min"] >= 0.99 - 64 * 2**20 / _least_held(data)
+    _check(data)
+
+
+@pytest.mark.gpus(2)
+def test_comms_suspended_while_the_state_is_away(tmp_path):
+    # every NCCL group of each rank (Megatron's, created eagerly) suspended after each offload and resumed
+    # before the reload: the steps after run on them, bit-identical
+    from rlmem.comm import nccl_driver
+
+    if not nccl_driver().can_suspend:
+        pytest.skip(f"{nccl_driver().describe} has no ncclCommSuspend (scripts/nccl_parts.sh)")
+    argv = ("--device", "cuda", "--layouts", "tp2,pp2", "--shape", "2,256,4,512,64,2", "--comms", "suspend")
+    data = _run(tmp_path, *argv)
+    s = data["summary"]
+    assert s["tp2_bit_identical"] and s["pp2_bit_identical"]
+    assert s["comm_freed_bytes_min"] > 0 and s["comm_groups"] >= 2
     _check(data)
 
 

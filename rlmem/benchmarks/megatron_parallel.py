@@ -19,13 +19,22 @@ layouts of one world size in one launch.
 Per rank and step: the bytes the offload freed (``cudaMemGetInfo``; on the CPU what stays resident) over
 what the state holds, the offload's and the reload's rate over the pinned copy rates measured on that rank
 in the same run, reads of the weights and main parameters while away, and, for ``tp2`` and ``tp2-sp``, one
-step's gradients with every Megatron activation name offloaded against without. Summary:
+step's gradients with every Megatron activation name offloaded against without. The pinned copy rates are
+measured twice: on each rank alone (the reference of the targets) and with every rank copying at once after
+a barrier (``link_together_bytes_per_s``: the rate each rank gets while the others use the host's memory and
+PCIe too, as they do when every rank offloads after the same step). With ``--comms suspend`` (GPUs, an NCCL
+with ``ncclCommSuspend``) every NCCL group of the process (Megatron's tensor, pipeline and data parallel
+groups, created eagerly) is suspended after each offload, as ``PhaseManager(comms="suspend")`` does, and
+resumed before the reload; the next step runs on them, so the bit-identity covers it. Summary:
 ``<layout>_bit_identical`` (losses, weights and main parameters equal the reference's bit for bit on every
 rank; ``tp2_bit_identical``, ``tp2_sp_bit_identical``, ``pp2_bit_identical``, ``tp2pp2_bit_identical``,
 ``tp2pp2_vpp_bit_identical``, ``tp4_bit_identical``; for ``dp2`` ``dp2_distopt_bit_identical``, or
 ``dp2_bit_identical`` on the CPU, without the distributed optimizer), ``freed_fraction_min``,
 ``offload_vs_pinned_min``, ``reload_vs_pinned_min`` (every rank of every layout, every step after the
-first), ``act_grads_bit_equal`` (over ``act_grads_layouts``).
+first), ``act_grads_bit_equal`` (over ``act_grads_layouts``), ``offload_vs_together_min`` and
+``reload_vs_together_min`` (over the rates with every rank copying at once; no target), and with
+``--comms suspend`` ``comm_freed_bytes_min`` (the least any rank's groups freed at a suspend) and
+``comm_groups`` (how many groups a rank suspended).
 """
 
 from __future__ import annotations
@@ -67,8 +76,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _link_together(device: torch.device, nbytes: int) -> tuple[float, float]:
+    """Pinned D2H and H2D copy rates (bytes/s, best of 4) of ``nbytes`` on this rank, every rank of the
+    world starting each copy together (a barrier before each)."""
+    import torch.distributed as dist
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h, h2d = [], []
+    for _ in range(4):
+        for out, src, acc in ((host, dev, d2h), (dev, host, h2d)):
+            torch.cuda.synchronize(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            out.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            acc.append(time.perf_counter() - t0)
+    del dev, host
+    return nbytes / min(d2h), nbytes / min(h2d)
+
+
 def run_part(
-    layouts: list[str], shape: dict[str, int], steps: int, device: torch.device
+    layouts: list[str], shape: dict[str, int], steps: int, device: torch.device, comms: str = "keep"
 ) -> dict[str, Any] | None:
     """``layouts`` on this rank (under torchrun), one after another in one process group; every rank's
     figures on the lead (``{layout: result}``), None elsewhere."""
@@ -82,10 +111,15 @@ def run_part(
         # Megatron's DDP makes its buffers on torch.cuda.current_device(): here, the host (this part is a
         # process of its own).
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if comms == "suspend":
+        # Every group gets its communicators now (split from the world's), as NCCL's suspend needs one to
+        # exist: Megatron makes groups it may never use in a layout.
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     out = {}
     for layout in layouts:
-        out[layout] = _run_layout(layout, shape, steps, device)
+        out[layout] = _run_layout(layout, shape, steps, device, comms)
         ps.destroy_model_parallel()
     dist.barrier()
     lead = dist.get_rank() == 0
@@ -93,14 +127,17 @@ def run_part(
     return out if lead else None
 
 
-def _run_layout(layout: str, shape: dict[str, int], steps: int, device: torch.device) -> dict[str, Any]:
+def _run_layout(
+    layout: str, shape: dict[str, int], steps: int, device: torch.device, comms: str = "keep"
+) -> dict[str, Any]:
     """One layout on this rank: its figures and every other rank's."""
     import torch.distributed as dist
 
-    from .. import TrainState
+    from .. import TrainState, comm
 
     tr = Trainer(layout, shape, device)
     link = link_rates(device, 256 << 20) if device.type == "cuda" else None
+    together = _link_together(device, 256 << 20) if device.type == "cuda" else None
     act = tr.activations() if layout in ("tp2", "tp2-sp") else None  # tensor parallel, with SP and without
     ref, ref_opt = tr.build(0)
     ref_losses = [tr.step(ref, ref_opt) for _ in range(steps)]
@@ -132,6 +169,11 @@ def _run_layout(layout: str, shape: dict[str, int], steps: int, device: torch.de
             "params_read": all(torch.equal(a, b) for a, b in zip(parameters(ddp), params, strict=True)),
             "main_read": all(torch.equal(a, b) for a, b in zip(main_params(opt), main, strict=True)),
         }
+        if comms == "suspend":  # after the offload and before the reload, as PhaseManager's switches do
+            r = comm.suspend(None, method="suspend")
+            cyc.update(comm_groups=len(r.groups), comm_freed_bytes=r.freed_bytes, comm_suspend_s=r.seconds)
+            back = comm.resume(None)
+            cyc.update(comm_taken_bytes=back.taken_bytes, comm_resume_s=back.seconds)
         t0 = time.perf_counter()
         st.reload(blocking=True)
         st.synchronize()
@@ -140,6 +182,9 @@ def _run_layout(layout: str, shape: dict[str, int], steps: int, device: torch.de
         if link is not None:
             cyc["offload_vs_pinned"] = moved / t_off / link[0]
             cyc["reload_vs_pinned"] = moved / cyc["reload_s"] / link[1]
+        if together is not None:
+            cyc["offload_vs_together"] = moved / t_off / together[0]
+            cyc["reload_vs_together"] = moved / cyc["reload_s"] / together[1]
         cycles.append(cyc)
     pairs = zip(parameters(ref), parameters(ddp), strict=True)
     main_pairs = zip(main_params(ref_opt), main_params(opt), strict=True)
@@ -154,6 +199,7 @@ def _run_layout(layout: str, shape: dict[str, int], steps: int, device: torch.de
         "same_main": all(torch.equal(bits(a), bits(b)) for a, b in main_pairs),
         "cycles": cycles,
         "link_bytes_per_s": link,
+        "link_together_bytes_per_s": together,
         "act_grads_equal": None if act is None else act[0],
         "act_offloaded_bytes": None if act is None else act[1],
     }
@@ -186,9 +232,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             s.setdefault("act_grads_layouts", []).append(layout)
     if steady:
         s["freed_fraction_min"] = min(c["freed_fraction"] for c in steady)
-        for k in ("offload_vs_pinned", "reload_vs_pinned"):
+        for k in ("offload_vs_pinned", "reload_vs_pinned", "offload_vs_together", "reload_vs_together"):
             if all(k in c for c in steady):
                 s[f"{k}_min"] = min(c[k] for c in steady)
+        if all("comm_freed_bytes" in c for c in steady):
+            s["comm_freed_bytes_min"] = min(c["comm_freed_bytes"] for c in steady)
+            s["comm_groups"] = max(c["comm_groups"] for c in steady)
     return s
 
 
@@ -206,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         "--part", default=None, help=argparse.SUPPRESS
     )  # layouts of one world size, comma-separated
     p.add_argument("--timeout", type=float, default=900.0, help="a layout's longest run (s)")
+    p.add_argument(
+        "--comms",
+        default="keep",
+        choices=("keep", "suspend"),
+        help="suspend: every NCCL group suspended while the state is away (GPUs, NCCL >= 2.29.7)",
+    )
     args = run_.parse(argv)
     cuda = run_.device.type == "cuda"
     shape = dict(GPU_SHAPE if cuda else CPU_SHAPE)
@@ -215,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             run_.error(f"--shape takes {len(shape)} ints: {','.join(shape)}")
         shape = dict(zip(shape, vals, strict=True))
     if args.part:
-        out = run_part(args.part.split(","), shape, args.steps, run_.device)
+        out = run_part(args.part.split(","), shape, args.steps, run_.device, args.comms)
         if out is not None:
             print(json.dumps(out), flush=True)
         return 0
@@ -233,7 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     for x in layouts:
         if err := shape_error(x, shape):
             run_.error(f"--shape: {err}")
-    forward = ["--device", run_.device.type, "--steps", str(args.steps)]
+    if args.comms == "suspend":
+        if not cuda:
+            run_.error("--comms suspend: NCCL's communicators exist on GPUs only (Gloo has none to suspend)")
+        from ..comm import nccl_driver
+
+        drv = nccl_driver()
+        if not drv.can_suspend:
+            run_.error(
+                f"--comms suspend needs an NCCL with ncclCommSuspend (>= 2.29.7); torch loaded "
+                f"{drv.describe} (load a newer libnccl with LD_PRELOAD, scripts/nccl_parts.sh)"
+            )
+    forward = ["--device", run_.device.type, "--steps", str(args.steps), "--comms", args.comms]
     forward += ["--shape", ",".join(str(v) for v in shape.values())]
     # a launch per layout on GPUs (its own CUDA context and communicators); on the CPU one per world size,
     # as importing Megatron in every process is most of a small part's time
@@ -276,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = {k: v["error"] for k, v in res.items() if "error" in v}
     for k, v in failed.items():
         print(f"{k} failed:\n{v}", file=sys.stderr)
-    run_.finish(summarize(res), config={"shape": shape, "steps": args.steps, "layouts": layouts}, results=res)
+    config = {"shape": shape, "steps": args.steps, "layouts": layouts, "comms": args.comms}
+    run_.finish(summarize(res), config=config, results=res)
     return 1 if failed else 0
 
 
