@@ -227,14 +227,19 @@ def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     return p
 
 
-def link_rates(device: torch.device, nbytes: int = 1 << 30) -> tuple[float, float]:
-    """Pinned D2H and H2D copy rates (bytes/s, best of 4) of ``nbytes``."""
+def link_rates(
+    device: torch.device, nbytes: int = 1 << 30, before_each: Callable[[], Any] | None = None
+) -> tuple[float, float]:
+    """Pinned D2H and H2D copy rates (bytes/s, best of 4) of ``nbytes``; ``before_each`` is called before
+    each copy is started (e.g. a barrier, for every rank to copy at once)."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     d2h, h2d = [], []
     for _ in range(4):
         for out, src, acc in ((host, dev, d2h), (dev, host, h2d)):
             torch.cuda.synchronize(device)
+            if before_each is not None:
+                before_each()
             t0 = time.perf_counter()
             out.copy_(src, non_blocking=True)
             torch.cuda.synchronize(device)

@@ -76,26 +76,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _link_together(device: torch.device, nbytes: int) -> tuple[float, float]:
-    """Pinned D2H and H2D copy rates (bytes/s, best of 4) of ``nbytes`` on this rank, every rank of the
-    world starting each copy together (a barrier before each)."""
-    import torch.distributed as dist
-
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d2h, h2d = [], []
-    for _ in range(4):
-        for out, src, acc in ((host, dev, d2h), (dev, host, h2d)):
-            torch.cuda.synchronize(device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            out.copy_(src, non_blocking=True)
-            torch.cuda.synchronize(device)
-            acc.append(time.perf_counter() - t0)
-    del dev, host
-    return nbytes / min(d2h), nbytes / min(h2d)
-
-
 def run_part(
     layouts: list[str], shape: dict[str, int], steps: int, device: torch.device, comms: str = "keep"
 ) -> dict[str, Any] | None:
@@ -137,7 +117,8 @@ def _run_layout(
 
     tr = Trainer(layout, shape, device)
     link = link_rates(device, 256 << 20) if device.type == "cuda" else None
-    together = _link_together(device, 256 << 20) if device.type == "cuda" else None
+    # the same, every rank starting each copy together: what each gets while the others copy too
+    together = link_rates(device, 256 << 20, dist.barrier) if device.type == "cuda" else None
     act = tr.activations() if layout in ("tp2", "tp2-sp") else None  # tensor parallel, with SP and without
     ref, ref_opt = tr.build(0)
     ref_losses = [tr.step(ref, ref_opt) for _ in range(steps)]
