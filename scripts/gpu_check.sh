@@ -331,10 +331,10 @@ if [[ $what == server-gpus ]]; then
   fi
   suspend=()
   [[ -f $nccl_lib ]] && suspend=(--suspend-nccl "$nccl_lib")
-  # The benchmark stops starting (and cuts) parts 30 s before the call's end, to write its file; the timeout
-  # 10 s before it is the net under that.
+  # The benchmark stops starting (and cuts) parts 45 s before the call's end, to write its file (its clock
+  # starts after torch and CUDA are up, up to 15 s later); the timeout 10 s before the end is the net under it.
   bounded 10 python3 -m rlmem bench grpo_colocated --engine server --gpus "$gpus" --rollout-dtype bf16 --merge \
-    --time-budget $((deadline - SECONDS - 30)) "${suspend[@]}" --machine "$name" --json "$OUT/$f" "$@" \
+    --time-budget $((deadline - SECONDS - 45)) "${suspend[@]}" --machine "$name" --json "$OUT/$f" "$@" \
     2>&1 | tee "$OUT/bench_grpo_server_gpus.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   [[ -f $OUT/$f ]] && cp "$OUT/$f" "$kept/"

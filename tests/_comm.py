@@ -240,6 +240,13 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
         with pm.train():
             res["train_suspended"] = comm.suspended()
             check_collectives(rank, world, [pair], device)
+        # A collective the program needs before its next train phase (a checkpoint, the run's last barrier).
+        with pm.rollout():
+            pm.resume_comms()
+            res["resumed_in_rollout"] = comm.suspended()
+            check_collectives(rank, world, [pair], device)
+        with pm.train():
+            res["train_after_resume"] = comm.suspended()
         res["stats"] = {k: v.as_dict() for k, v in comm.memory_stats(pair).items()}
         if mode.startswith("host"):
             res["calls_head"] = drv.calls[:4]

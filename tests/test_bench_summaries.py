@@ -275,8 +275,8 @@ def test_grpo_server_benchmark_loads_the_suspend_nccl_in_its_suspend_part_only(t
     lib.write_bytes(b"")
     calls = {}
 
-    def spawn(module, part, argv, *, env=None, nproc=1, timeout_s=None):
-        calls[part] = {"env": env, "nproc": nproc, "timeout_s": timeout_s}
+    def spawn(module, part, argv, *, env=None, nproc=1, timeout_s=None, outcome_key=None):
+        calls[part] = {"env": env, "nproc": nproc, "timeout_s": timeout_s, "outcome_key": outcome_key}
         return _server_part(60.0, nproc, freed=[1, 2, 3, 4] if part.endswith("-suspend") else None)
 
     monkeypatch.setattr(grpo_colocated, "spawn_part", spawn)
@@ -288,6 +288,7 @@ def test_grpo_server_benchmark_loads_the_suspend_nccl_in_its_suspend_part_only(t
     assert calls["server-big-offload"]["env"] is None
     assert calls["server-big-suspend"]["env"] == {"LD_PRELOAD": f"{lib}:/x/other.so"}
     assert all(c["nproc"] == 4 and c["timeout_s"] <= 500 for c in calls.values())  # the budget bounds each
+    assert all(c["outcome_key"] == "oom" for c in calls.values())  # a rank out of memory ends the part
 
 
 def test_rollout_summary_takes_the_gqa_keys_from_the_gqa_preset_whatever_the_order():
@@ -431,3 +432,30 @@ def test_grpo_colocated_names_the_loaded_nccl_through_the_driver(monkeypatch):
     monkeypatch.setattr(_driver._nccl, "library", broken)
     monkeypatch.setattr(_suspend.registry, "driver", None)
     assert grpo_colocated._nccl_loaded().startswith("unknown (libnccl.so.2: cannot open")
+
+
+_FAILING_PART = """
+import json, os, sys, time
+if os.environ.get("RANK", "0") == "1":
+    print(json.dumps({"oom": True, "rank": 1}), flush=True)
+    os._exit(3)
+time.sleep(120)  # the others wait, as in a collective the failed rank will never join
+"""
+
+
+def test_a_rank_out_of_memory_ends_the_part_with_its_outcome(tmp_path):
+    # A rank that ran out of memory alone prints its outcome and fails: torchrun ends the rank still
+    # waiting, and the part's outcome is that line, not an error (and not the timeout).
+    import os
+    import time
+
+    from rlmem.benchmarks._common import spawn_part
+
+    (tmp_path / "failing_part.py").write_text(_FAILING_PART)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.monotonic()
+    out = spawn_part("failing_part", "p", [], env=env, nproc=2, timeout_s=100, outcome_key="oom")
+    assert out == {"oom": True, "rank": 1} and time.monotonic() - t0 < 90
+    (tmp_path / "failing_part.py").write_text(_FAILING_PART.replace('"0") == "1"', '"0") == "0"'))
+    out = spawn_part("failing_part", "p", [], env=env, timeout_s=100)  # the line without its key: a failure
+    assert out["error"].startswith("exit 3")

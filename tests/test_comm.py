@@ -59,8 +59,10 @@ def test_ranks_host_stand_in(tmp_path, world, cycles):
         assert all(c["freed_bytes"] == 3 * 8 * MiB == c["taken_bytes"] for c in r["cycles"])
         assert r["methods_restored"] and r["guard_removed"] and r["restored_after_destroy"]
         assert r["train_suspended"] == [] and len(r["rollout_suspended"]) == 1
+        assert r["resumed_in_rollout"] == [] and r["train_after_resume"] == []  # pm.resume_comms()
         pair = r["rollout_suspended"][0]
-        assert r["stats"][pair]["suspends"] == cycles + 1 and r["stats"][pair]["resumes"] == cycles + 1
+        # the cycles, then PhaseManager's two rollouts (the second resumed inside, not again at its train)
+        assert r["stats"][pair]["suspends"] == cycles + 2 and r["stats"][pair]["resumes"] == cycles + 2
         assert r["methods"] == ["suspend"] * cycles and r["rebuilt_objects"] == 0 and not r["warnings"]
     # Every rank suspends the shared groups in the same order (NCCL synchronises inside each call).
     shared = [[c for c in r["calls_head"] if c[1] in ("0", ranks[0]["rollout_suspended"][0])] for r in ranks]
@@ -77,15 +79,17 @@ def test_two_ranks_host_rebuild_fallback(tmp_path):
         assert r["methods"] == ["rebuild"] * 50
         assert all(c["freed_bytes"] == 3 * 8 * MiB == c["taken_bytes"] for c in r["cycles"])
         assert "'allreduce' cannot run" in r["guard"]
-        # The ranks hold the original objects; each suspend found the backend of the latest rebuild.
-        assert r["rebuilt_objects"] == 3 and r["distinct_backends_seen"] == 3 * 50 + 1
+        # The ranks hold the original objects; each suspend found the backend of the latest rebuild (the
+        # three groups' 50 cycles, then the pair's two PhaseManager rollouts).
+        assert r["rebuilt_objects"] == 3 and r["distinct_backends_seen"] == 3 * 50 + 2
         assert not r["methods_restored"] and r["restored_after_destroy"]
         # Warned once for each direction, naming the NCCL that would do better and the time taken.
         assert len(r["warnings"]) == 2, r["warnings"]
         assert "2.29.7" in r["warnings"][0] and "destroyed those of 3 group(s)" in r["warnings"][0]
         assert "rebuilt the communicators of 3 group(s) in" in r["warnings"][1]
         pair = r["rollout_suspended"][0]
-        assert r["train_suspended"] == [] and r["stats"][pair]["rebuilds"] == 51
+        assert r["train_suspended"] == [] and r["stats"][pair]["rebuilds"] == 52
+        assert r["resumed_in_rollout"] == [] and r["train_after_resume"] == []
         assert r["stats"][pair]["method"] == "rebuild"
 
 
@@ -105,7 +109,7 @@ def test_gpus_suspend_resume_50_cycles(tmp_path, world):
             assert c["free_rise"] >= 0.9 * suspendable, (c, suspendable)
         assert "'allreduce' cannot run" in r["guard"]
         assert r["methods_restored"] and r["guard_removed"]
-        assert r["train_suspended"] == []
+        assert r["train_suspended"] == [] and r["resumed_in_rollout"] == [] == r["train_after_resume"]
 
 
 @pytest.mark.parametrize("world", gpu_worlds(2, 4))

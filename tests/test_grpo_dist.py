@@ -61,16 +61,21 @@ def test_fsdp2_gpus_offload_on_and_off_identical(tmp_path, world):
 
 
 @pytest.mark.parametrize("world", gpu_worlds(2, 4))
-@pytest.mark.parametrize("copy", ["", "rollout_dtype=bf16"], ids=["fsdp-weights", "rollout-copy"])
+@pytest.mark.parametrize(
+    "copy", ["rollout_dtype=none", "rollout_dtype=bf16"], ids=["fsdp-weights", "rollout-copy"]
+)
 def test_fsdp2_gpus_comms_suspended_during_rollout_identical(tmp_path, copy, world):
-    # With a rollout copy, FSDP gathers the weights only to fill it (and shards them again at once).
+    # Without a copy the rollout samples from FSDP's gathered weights (kept gathered through the rollout);
+    # with one, FSDP gathers the weights only to fill it (and shards them again at once).
     # The NCCL communicators give their memory back during rollout through NCCL's suspend (an NCCL without
     # it is refused: FSDP2's DTensor reductions reach communicators by name, past the rebuild fallback);
     # FSDP gathers the weights before they go, and training is what it is with them kept.
     from rlmem.comm import _nccl
 
     common = ["device=cuda", "steps=3", "prompts_per_step=8", "group_size=4", "kl_coef=0.1", "offload=true"]
-    common += ["updates_per_step=2", "micro_batch_size=4", "save_every=0", *([copy] if copy else [])]
+    # eval_every: the evaluation after the last step is one more switch to rollout, after which the run's
+    # end meets in a barrier on the groups that switch suspended
+    common += ["updates_per_step=2", "micro_batch_size=4", "save_every=0", "eval_every=2", copy]
     if not _nccl.library().has_suspend:  # refused up front, before anything is built
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
         cmd += ["-m", "rlmem", "train", *common, "comms=suspend", f"out_dir={tmp_path / 'refused'}"]

@@ -198,3 +198,61 @@ def test_a_server_per_gpu_with_the_trainers_communicators_suspended(tmp_path, wo
     assert [(r["reward"], r["loss"]) for r in keep] == [(r["reward"], r["loss"]) for r in susp]
     assert all(len(r["comm_freed_bytes_by_rank"]) == world for r in susp)
     assert all(b > 0 for r in susp for b in r["comm_freed_bytes_by_rank"])
+
+
+_AGREE = """
+import json, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch
+import torch.distributed as dist
+from _helpers import free_port, rank_group, spawn
+from rlmem.rollout.server_rollout import EngineLostError, ServerRollout
+
+
+def worker(rank, world, port, out):
+    with rank_group("gloo", rank, world, port):
+        eng = ServerRollout.__new__(ServerRollout)  # the agreement alone: no server behind it
+        eng._group, eng._rank = dist.group.WORLD, rank
+        eng._guard = lambda fn, *a, **k: fn(*a, **k)
+        seen = []
+        for fails in ({{}}, {{1: "oom"}}, {{1: "oom", 2: "lost"}}, {{2: "boom"}}):
+            def call():
+                what = fails.get(rank)
+                if what == "oom":
+                    raise torch.OutOfMemoryError(f"no room on {{rank}}")
+                if what == "lost":
+                    raise EngineLostError(f"server of {{rank}} gone")
+                if what:
+                    raise ValueError(what)
+                return rank
+            try:
+                seen.append(["ok", eng._call(call)])
+            except Exception as e:
+                seen.append([type(e).__name__, str(e)])
+        with open(f"{{out}}.{{rank}}", "w") as f:
+            json.dump(seen, f)
+
+
+if __name__ == "__main__":
+    spawn(worker, 3, 3, free_port(), sys.argv[1])
+"""
+
+
+def test_a_failure_on_one_rank_raises_its_kind_on_every_rank(tmp_path):
+    # Under torchrun every server call ends in the ranks' agreement: a rank whose server ran out of memory
+    # makes every rank raise an out-of-memory error naming it (what a caller trying a smaller cache
+    # catches), a lost server wins over it (the run ends with its checkpoint), anything else a RuntimeError.
+    from _helpers import ROOT, run_ranks
+
+    script = tmp_path / "agree.py"
+    script.write_text(_AGREE.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    proc = run_ranks(script, str(tmp_path / "seen"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"seen.{r}").read_text()) for r in range(3)]
+    assert [s[0] for s in seen] == [["ok", 0], ["ok", 1], ["ok", 2]]
+    assert seen[0][1] == seen[2][1] == ["OutOfMemoryError", "rank 1: no room on 1"]
+    assert seen[1][1] == ["OutOfMemoryError", "no room on 1"]  # its own, as raised
+    assert seen[0][2] == ["EngineLostError", "rank 2: server of 2 gone"] == seen[2][2]
+    assert seen[1][2] == ["OutOfMemoryError", "no room on 1"]
+    assert seen[0][3] == seen[1][3] == ["RuntimeError", "rank 2: boom"]
+    assert seen[2][3] == ["ValueError", "boom"]

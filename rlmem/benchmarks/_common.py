@@ -111,11 +111,13 @@ def spawn_part(
     env: dict[str, str] | None = None,
     nproc: int = 1,
     timeout_s: float | None = None,
+    outcome_key: str | None = None,
 ) -> dict[str, Any]:
     """Run ``python -m module --part part *argv`` in a process of its own (a fresh CUDA context), or under
     torchrun in ``nproc`` (one per GPU), and return the JSON object its last ``{`` line prints (the lead
     rank's); ``{"error": ...}`` with its stderr's end if there is none, or if it ran past ``timeout_s``
-    (then every process it started is killed)."""
+    (then every process it started is killed). A line whose ``outcome_key`` is true is the part's outcome
+    even where the launch failed (a rank that prints one, then fails to end the others)."""
     run = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     if nproc > 1:
         run.append(f"--nproc-per-node={nproc}")
@@ -152,6 +154,11 @@ def spawn_part(
             signal.signal(signal.SIGTERM, before)
     sys.stderr.write(err[-4000:])
     lines = [line for line in out.splitlines() if line.startswith("{")]
+    if popen.returncode != 0 and outcome_key is not None:
+        for line in reversed(lines):
+            with contextlib.suppress(ValueError):
+                if (obj := json.loads(line)).get(outcome_key):
+                    return obj
     if popen.returncode != 0 or not lines:
         return {"error": f"exit {popen.returncode}: {err[-3000:]}"}
     return json.loads(lines[-1])

@@ -335,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus > 1:
             import torch.distributed as dist
 
+            if out is not None and out.get("oom"):
+                # A rank out of memory alone (in its train phase) leaves the others waiting in a collective
+                # until it times out: failing ends them at once (torchrun stops every rank), and the parent
+                # takes the line just printed as the part's outcome.
+                sys.stderr.flush()
+                os._exit(3)
+
             if dist.is_initialized():
                 dist.destroy_process_group()
             sys.stdout.flush()
@@ -380,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                 [*args.forward, "--part-dir", d],
                 env=env,
                 nproc=args.gpus,
-                # at several ranks one rank's OOM can leave the others waiting in a collective
-                timeout_s=timeout_s,
+                timeout_s=timeout_s,  # the net under a rank left waiting in a collective
+                outcome_key="oom",  # a rank out of memory ends its peers by failing (below)
             )
         finally:
             shutil.rmtree(d, ignore_errors=True)

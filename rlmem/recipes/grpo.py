@@ -239,6 +239,10 @@ def _train(
             say(f"{e}\nending the run after step {done}")
         finally:
             stop.restore()
+        if together:
+            # A run that ends in rollout (a lost server) leaves comms="suspend"'s groups suspended; the
+            # checkpoint's gathers and the run's last barrier need them.
+            pm.resume_comms()
         if cfg.save_every != 0 and done and saved_at != done:
             if interrupted and updating:
                 say(f"interrupted during an update: step {done + 1} is lost; no checkpoint written for it")
@@ -246,6 +250,7 @@ def _train(
                 say(f"checkpoint: {save(done)}" + ("; resume=auto goes on from it" if lost else ""))
         if not interrupted and cfg.eval_every and done > start:
             log.eval(done, _evaluate(policy, prompts, rt, tl, done))
+            pm.resume_comms()  # the evaluation's switch to rollout suspended them; the run's end meets
         policy.close()  # before the summary: the server's last report is in the ledger's final samples
     summary = log.finish(tl, policy.offload, done=done, interrupted=interrupted, together=together)
     tl.check_leaks()

@@ -34,6 +34,7 @@ from torch import nn
 from ..colocate.broker import Broker
 from ..colocate.member import Member, PeerLostError, RemoteError
 from ..colocate.weights import SharedWeights
+from ..errors import OutOfMemoryError
 from .config import SamplerConfig
 from .http_engine import RemoteEngine
 
@@ -209,7 +210,8 @@ class ServerRollout:
 
     def _call(self, fn: Any, *args: Any, **kw: Any) -> Any:
         """``fn`` through :meth:`_guard`, then, under torchrun, the ranks' agreement: a failure on any rank
-        raises on every rank (:class:`EngineLostError` naming the rank whose server was lost)."""
+        raises on every rank (:class:`EngineLostError` naming the rank whose server was lost, else
+        rlmem's :class:`OutOfMemoryError` naming the rank that ran out of memory, else ``RuntimeError``)."""
         if self._group is None:
             return self._guard(fn, *args, **kw)
         failed: BaseException | None = None
@@ -219,18 +221,26 @@ class ServerRollout:
             raise  # a second Ctrl-C stops this rank at once; torchrun ends the others
         except Exception as e:
             failed = e
-        lost = isinstance(failed, EngineLostError)
-        mine = None if failed is None else (lost, f"rank {self._rank}: {failed}")
+        kind = "error"
+        if isinstance(failed, EngineLostError):
+            kind = "lost"
+        elif isinstance(failed, torch.OutOfMemoryError):
+            kind = "oom"
+        mine = None if failed is None else (kind, f"rank {self._rank}: {failed}")
         every: list[Any] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(every, mine, group=self._group)
         if failed is not None:
-            if lost:
+            if kind == "lost":
                 raise EngineLostError(mine[1]) from failed  # type: ignore[index]
             raise failed
         others = [m for m in every if m is not None]
         if others:
-            peer_lost, msg = next((m for m in others if m[0]), others[0])
-            raise (EngineLostError if peer_lost else RuntimeError)(msg)
+            # the most telling: a lost server ends the run with its checkpoint; running out of memory is
+            # what a caller that tries another size catches
+            for want, exc in (("lost", EngineLostError), ("oom", OutOfMemoryError)):
+                if hit := next((msg for k, msg in others if k == want), None):
+                    raise exc(hit)
+            raise RuntimeError(others[0][1])
         return out
 
     def _guard(self, fn: Any, *args: Any, **kw: Any) -> Any:

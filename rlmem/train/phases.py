@@ -338,6 +338,14 @@ class PhaseManager:
         self._reloading = True
         self._switches["prefetch_s"] = time.perf_counter() - t0
 
+    def resume_comms(self) -> None:
+        """Bring back the NCCL communicators the switch to rollout suspended (``comms="suspend"``), the train
+        state staying where it is: for collectives the program runs before its next train phase (a
+        checkpoint's gathers, the barrier at the end of a run). Every rank calls it, as for a switch; the
+        next :meth:`prefetch` / :meth:`train` skips the groups already back. Does nothing otherwise."""
+        if self.config.comms == "suspend" and comm.suspended():
+            self._switches["comm_resume"] = comm.resume(self.comm_groups)
+
     @contextmanager
     def train(self) -> Iterator[PhaseManager]:
         """Enter the train phase: engines sleep, the state comes back (parameters first; the optimizer
