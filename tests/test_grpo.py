@@ -315,3 +315,41 @@ def test_the_cache_is_given_back_at_the_switch_only_where_another_process_or_the
     assert not releases_cache(GRPOConfig(offload=True))
     assert releases_cache(GRPOConfig(offload=True, engine="server"))
     assert releases_cache(GRPOConfig(offload=True, overlap_offload=True))
+
+
+def test_fsdp_is_given_back_its_own_resharding_after_a_rollout():
+    # A rollout keeps the FSDP2 model gathered (each module not resharding after forward); after it, every
+    # module is back to FSDP's own setting: the layers reshard after forward, the root keeps its parameters
+    # (the embedding and the head), which backward needs at once, instead of gathering them again.
+    from _helpers import free_port, run_fresh
+
+    out = run_fresh(
+        f"""
+        import json, os, sys, types, torch, torch.distributed as dist
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        from _models import tiny_qwen2
+        from rlmem.recipes.policy import Policy, _shard
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        model = tiny_qwen2("cpu")
+        _shard(model, torch.device("cpu"), 1)
+        model(input_ids=torch.tensor([[1, 5, 6, 7]]))  # FSDP's lazy init sets the root apart
+
+        def keeps():  # per FSDP module: does it keep its parameters gathered after forward?
+            mods = [model, *model.model.layers]
+            return [all(g.post_forward_mesh_info is None for g in m._get_fsdp_state()._fsdp_param_groups)
+                    for m in mods]
+
+        own = keeps()
+        me = types.SimpleNamespace(rt=types.SimpleNamespace(world=2), model=model)
+        Policy._set_reshard(me, False)  # the rollout
+        during = keeps()
+        Policy._set_reshard(me, True)
+        after = keeps()
+        dist.destroy_process_group()
+        print(json.dumps({{"own": own, "during": during, "after": after}}))
+        """
+    )
+    assert out["own"] == [True, False, False]  # FSDP's: the root keeps, the two layers reshard
+    assert out["during"] == [True, True, True]
+    assert out["after"] == out["own"]

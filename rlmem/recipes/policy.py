@@ -244,7 +244,10 @@ class Policy:
 
         mods = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for m in mods:
-            m.set_reshard_after_forward(reshard, recurse=False)
+            # Back to FSDP's own setting for training: the root keeps its parameters (the embedding and the
+            # head) gathered after forward, as backward needs them at once; resharding it too would gather
+            # them again in every backward.
+            m.set_reshard_after_forward(reshard and m is not self.model, recurse=False)
         if reshard:
             for m in mods:
                 m.reshard()
