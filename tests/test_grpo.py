@@ -321,15 +321,16 @@ def test_fsdp_is_given_back_its_own_resharding_after_a_rollout():
     # A rollout keeps the FSDP2 model gathered (each module not resharding after forward); after it, every
     # module is back to FSDP's own setting: the layers reshard after forward, the root keeps its parameters
     # (the embedding and the head), which backward needs at once, instead of gathering them again.
-    from _helpers import free_port, run_fresh
+    from _helpers import ROOT, run_fresh
 
     out = run_fresh(
-        f"""
+        """
         import json, os, sys, types, torch, torch.distributed as dist
-        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        sys.path.insert(0, TESTS)
+        from _helpers import free_port
         from _models import tiny_qwen2
         from rlmem.recipes.policy import Policy, _shard
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
         model = tiny_qwen2("cpu")
         _shard(model, torch.device("cpu"), 1)
@@ -347,8 +348,8 @@ def test_fsdp_is_given_back_its_own_resharding_after_a_rollout():
         Policy._set_reshard(me, True)
         after = keeps()
         dist.destroy_process_group()
-        print(json.dumps({{"own": own, "during": during, "after": after}}))
-        """
+        print(json.dumps({"own": own, "during": during, "after": after}))
+        """.replace("TESTS", repr(str(ROOT / "tests")))
     )
     assert out["own"] == [True, False, False]  # FSDP's: the root keeps, the two layers reshard
     assert out["during"] == [True, True, True]

@@ -202,7 +202,7 @@ def test_a_server_per_gpu_with_the_trainers_communicators_suspended(tmp_path, wo
 
 _AGREE = """
 import json, sys
-sys.path[:0] = [{root!r}, {tests!r}]
+sys.path[:0] = sys.argv[2:4]  # the checkout and its tests
 import torch
 import torch.distributed as dist
 from _helpers import free_port, rank_group, spawn
@@ -215,13 +215,13 @@ def worker(rank, world, port, out):
         eng._group, eng._rank = dist.group.WORLD, rank
         eng._guard = lambda fn, *a, **k: fn(*a, **k)
         seen = []
-        for fails in ({{}}, {{1: "oom"}}, {{1: "oom", 2: "lost"}}, {{2: "boom"}}):
+        for fails in ({}, {1: "oom"}, {1: "oom", 2: "lost"}, {2: "boom"}):
             def call():
                 what = fails.get(rank)
                 if what == "oom":
-                    raise torch.OutOfMemoryError(f"no room on {{rank}}")
+                    raise torch.OutOfMemoryError(f"no room on {rank}")
                 if what == "lost":
-                    raise EngineLostError(f"server of {{rank}} gone")
+                    raise EngineLostError(f"server of {rank} gone")
                 if what:
                     raise ValueError(what)
                 return rank
@@ -229,7 +229,7 @@ def worker(rank, world, port, out):
                 seen.append(["ok", eng._call(call)])
             except Exception as e:
                 seen.append([type(e).__name__, str(e)])
-        with open(f"{{out}}.{{rank}}", "w") as f:
+        with open(f"{out}.{rank}", "w") as f:
             json.dump(seen, f)
 
 
@@ -245,8 +245,8 @@ def test_a_failure_on_one_rank_raises_its_kind_on_every_rank(tmp_path):
     from _helpers import ROOT, run_ranks
 
     script = tmp_path / "agree.py"
-    script.write_text(_AGREE.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    proc = run_ranks(script, str(tmp_path / "seen"), timeout=300)
+    script.write_text(_AGREE)
+    proc = run_ranks(script, str(tmp_path / "seen"), str(ROOT), str(ROOT / "tests"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [json.loads((tmp_path / f"seen.{r}").read_text()) for r in range(3)]
     assert [s[0] for s in seen] == [["ok", 0], ["ok", 1], ["ok", 2]]
