@@ -70,12 +70,18 @@ def test_fsdp2_gpus_comms_suspended_during_rollout_identical(tmp_path, copy, wor
     # The NCCL communicators give their memory back during rollout through NCCL's suspend (an NCCL without
     # it is refused: FSDP2's DTensor reductions reach communicators by name, past the rebuild fallback);
     # FSDP gathers the weights before they go, and training is what it is with them kept.
+    from rlmem.benchmarks.assets import model_dir, tokenizer_and_data
     from rlmem.comm import _nccl
 
+    # A model directory with data: the evaluation after the last step (eval_every, which needs eval_data) is
+    # one more switch to rollout, after which the run's end meets in a barrier on the groups it suspended.
+    tok, data = tokenizer_and_data(tmp_path / "assets", rows=64)
+    model = model_dir("qwen2", tmp_path / "model", tok)
     common = ["device=cuda", "steps=3", "prompts_per_step=8", "group_size=4", "kl_coef=0.1", "offload=true"]
-    # eval_every: the evaluation after the last step is one more switch to rollout, after which the run's
-    # end meets in a barrier on the groups that switch suspended
-    common += ["updates_per_step=2", "micro_batch_size=4", "save_every=0", "eval_every=2", copy]
+    common += [f"model={model}", f"data={data}", f"eval_data={data}", "eval_every=2", "max_new_tokens=8"]
+    # a reward every sampled character moves: the losses are not all zero, so agreeing means something
+    common += ["reward=rlmem.benchmarks.assets:text_reward"]
+    common += ["updates_per_step=2", "micro_batch_size=4", "save_every=0", copy]
     if not _nccl.library().has_suspend:  # refused up front, before anything is built
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
         cmd += ["-m", "rlmem", "train", *common, "comms=suspend", f"out_dir={tmp_path / 'refused'}"]
@@ -85,12 +91,14 @@ def test_fsdp2_gpus_comms_suspended_during_rollout_identical(tmp_path, copy, wor
     keep = _torchrun(tmp_path, "keep", *common, "comms=keep", world=world)
     susp = _torchrun(tmp_path, "susp", *common, "comms=suspend", world=world)
     assert susp["losses"] == keep["losses"] and susp["rewards"] == keep["rewards"]
-    rows = [json.loads(r) for r in (tmp_path / "susp" / "log.jsonl").read_text().splitlines()]
-    assert all(r["comm_method"] == "suspend" and r["comm_freed_bytes"] > 0 for r in rows)
+    lines = [json.loads(r) for r in (tmp_path / "susp" / "log.jsonl").read_text().splitlines()]
+    rows = [r for r in lines if "eval_step" not in r]  # the steps' records; evaluations have their own
+    assert len(rows) == 3 and all(r["comm_method"] == "suspend" and r["comm_freed_bytes"] > 0 for r in rows)
     # every rank's suspend freed memory, not only the lead's
     assert all(len(r["comm_freed_bytes_by_rank"]) == world for r in rows)
     assert all(b > 0 for r in rows for b in r["comm_freed_bytes_by_rank"])
     assert susp["comm_freed_bytes_mean"] > 0 and "comm_freed_bytes_mean" not in keep
+    assert [r["eval_step"] for r in lines if "eval_step" in r][-1] == 3  # the evaluation after the last step
 
 
 def test_prompts_must_split_evenly_over_ranks(tmp_path):

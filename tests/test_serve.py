@@ -247,3 +247,42 @@ def test_serve_refuses_bad_arguments(tmp_path):
     assert r.returncode == 2 and "other users" in r.stderr
     r = run("tiny", "--device", "cpu", "--batch-size", "0")
     assert r.returncode == 2 and "--batch-size" in r.stderr
+
+
+@pytest.mark.gpus(2)
+def test_serve_on_a_second_gpu_opens_no_context_on_the_first(tmp_path, procs):
+    # A server per GPU (engine=server under torchrun) must hold memory on its own GPU only: a context it
+    # opened on GPU 0 as well costs GPU 0 some 500 MiB per other server. NVML lists each process's contexts.
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("nvidia-smi is not here to list the processes on each GPU")
+    sock = tmp_path / "run" / "serve.sock"
+    eng = RemoteEngine(f"unix://{sock}", timeout=60)
+    p = _start(["tiny", "--uds", str(sock), "--device", "cuda:1", "--max-len", str(MAX_LEN)], eng, procs)
+    assert len(eng.generate([TOK.encode("3142=", bos=True)], max_new_tokens=12)[0]) > 0
+    eng.sleep(1)  # the cache given back and taken again: the paths that allocate after loading
+    eng.wake()
+
+    def smi(*query: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader"], capture_output=True, text=True)
+        return [[x.strip() for x in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    uuids = dict(smi("--query-gpu=index,uuid"))
+    names = visible.split(",")[:2] if visible else ["0", "1"]
+    first, second = (uuids.get(n, n) for n in names)
+    on = {uuid for pid, uuid in smi("--query-compute-apps=pid,gpu_uuid") if pid == str(p.pid)}
+    assert on == {second}, f"rlmem serve --device cuda:1 (pid {p.pid}) holds contexts on {on}"
+    assert first not in on
+
+    # A device this process cannot see is refused, naming the argument
+    n = torch.cuda.device_count()
+    argv = ["tiny", "--device", f"cuda:{n}", "--uds", str(tmp_path / "x")]
+    r = subprocess.run(
+        [sys.executable, "-m", "rlmem", "serve", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and f"--device cuda:{n}" in r.stderr and f"sees {n} CUDA device" in r.stderr

@@ -2,17 +2,20 @@
 server process with its lock, its sleep and wake, weight updates, and its seat at the device's broker.
 
 One lock orders every use of the sampler: generations, sleeps, wakes and weight updates come from the
-HTTP server's worker threads and from the broker's calls, never at once. With a broker the process starts
+HTTP server's worker threads and from the broker's calls, never at once. Each such thread makes the
+server's GPU its current device first: a thread starts on GPU 0, and a CUDA call there that names no device
+would open a context (some 500 MiB) on GPU 0 for a server of another GPU. With a broker the process starts
 asleep (nothing of its cache mapped) and takes the device only when granted; sleeps and wakes from either
 front are the fenced release and the admitted acquire of :class:`~rlmem.colocate.EngineSeat`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ class ServedModel:
         sampler: :class:`HFSampler` keyword arguments (``max_len``, ``batch_size``, ``pad_token_id``, ...).
         member: this process's seat at the device's broker (role ``"rollout"``), or None.
         name: what ``/health`` calls the model.
+        device: the server's device, made current on every thread that uses the sampler (None: left as is).
     """
 
     def __init__(
@@ -55,8 +59,10 @@ class ServedModel:
         sampler: dict[str, Any],
         member: Member | None = None,
         name: str = "model",
+        device: torch.device | None = None,
     ) -> None:
         self.model, self.tokenizer, self.name, self.member = model, tokenizer, name, member
+        self.device = device
         self._kw = dict(sampler)
         self.lock = threading.RLock()
         self.sampler: HFSampler | None = None
@@ -70,6 +76,14 @@ class ServedModel:
         if next(model.parameters()).device.type != "meta":
             self.sampler = HFSampler(model, **self._kw, asleep=member is not None)
 
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """The lock, held by a thread whose current device is the server's."""
+        with self.lock:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            yield
+
     def _kv_regions(self) -> tuple:
         return () if self.sampler is None else (self.sampler.region,)
 
@@ -77,7 +91,7 @@ class ServedModel:
     def attach_weights(self, weights: AttachedWeights) -> None:
         """Sample from the trainer's shared weights from now on; this process's own (if it loaded any) are
         let go."""
-        with self.lock:
+        with self._using():
             self.shared = weights
             if self.sampler is None:
                 self.sampler = HFSampler(
@@ -91,7 +105,7 @@ class ServedModel:
                     torch.cuda.empty_cache()
 
     def sleep(self, level: int = 1) -> None:
-        with self.lock:
+        with self._using():
             s = self._need_sampler("sleep")
             s.sleep(level)
             if s.region.device.type == "cuda":
@@ -100,7 +114,7 @@ class ServedModel:
             self.level = level
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
-        with self.lock:
+        with self._using():
             s = self._need_sampler("wake")
             s.wake(tags)
             if tags is None or "kv_cache" in tags:
@@ -151,7 +165,7 @@ class ServedModel:
         assert input_ids is not None
         if not input_ids:
             raise ValueError("no prompts given")
-        with self.lock:
+        with self._using():
             s = self._need_sampler("generate")
             if self.level:
                 raise NotReadyError(f"{self.name} is asleep (level {self.level}): wake it first")
@@ -195,7 +209,7 @@ class ServedModel:
             ValueError: an unknown name, a shape that differs, a malformed handle. NotReadyError: the
                 weights are the trainer's shared ones (it updates them itself), or asleep.
         """
-        with self.lock:
+        with self._using():
             s = self._need_sampler("update_weights_from_tensor")
             if self.shared is not None:
                 raise NotReadyError(
@@ -254,6 +268,8 @@ class ServedModel:
         member, handlers = self.member, self.seat.handlers()
 
         def loop() -> None:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # the fences' synchronizes and the handoff's copies
             try:
                 member.serve(handlers, until=stop.is_set)
             except Exception:
@@ -264,7 +280,7 @@ class ServedModel:
         return t
 
     def close(self) -> None:
-        with self.lock:
+        with self._using():
             if self.member is not None:
                 self.member.close()
             if self.sampler is not None:

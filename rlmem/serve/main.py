@@ -81,6 +81,8 @@ def _device(spec: str) -> Any:
         if not torch.cuda.is_available():
             raise ValueError(f"--device {spec}: no CUDA device here")
         dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec}: this process sees {torch.cuda.device_count()} CUDA device(s)")
     elif dev.type != "cpu":
         raise ValueError(f"--device must be cuda, cuda:N, cpu or auto, got {spec!r}")
     return dev
@@ -278,6 +280,12 @@ def _run(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {v}")
     device = _device(args.device)
+    if device.type == "cuda":
+        import torch
+
+        # Made current before anything touches CUDA: a call that takes no device (a stream, a synchronize,
+        # a graph's pool) otherwise opens a context on GPU 0, some 500 MiB there per server of another GPU.
+        torch.cuda.set_device(device)
     t0 = time.perf_counter()
     _say(
         f"loading {args.model} on {device}"
@@ -293,7 +301,7 @@ def _run(args: argparse.Namespace) -> int:
     member = None
     if args.broker is not None:
         member = Member("rollout", path=args.broker, device=device, name=f"rlmem serve {args.model}")
-    core = ServedModel(model, tokenizer=tok, sampler=kw, member=member, name=str(args.model))
+    core = ServedModel(model, tokenizer=tok, sampler=kw, member=member, name=str(args.model), device=device)
     if core.sampler is not None:
         s = core.sampler
         _say(f"KV cache: {s.batch_size} sequences x {s.max_len} tokens ({s.kv_bytes / 2**30:.2f} GiB)")
