@@ -354,3 +354,37 @@ def test_fsdp_is_given_back_its_own_resharding_after_a_rollout():
     assert out["own"] == [True, False, False]  # FSDP's: the root keeps, the two layers reshard
     assert out["during"] == [True, True, True]
     assert out["after"] == out["own"]
+
+
+def test_comms_suspend_gathers_the_whole_model_only_where_the_sync_comes_after_the_groups():
+    # With comms="suspend", FSDP gathers every layer before the switch suspends the groups only where the
+    # engine's sync (or the rollout itself) would come after them: the first rollout, which makes the engine
+    # inside it, and an engine sampling from the model. An engine with its own copy that wakes its weights
+    # apart is synced before the suspend, parameter by parameter, as with comms="keep".
+    import functools
+    import types
+
+    from rlmem.recipes.policy import Policy
+
+    class Tagged:
+        def wake(self, tags=None): ...
+
+    class Bare:
+        def wake(self): ...
+
+    def policy(own_copy, engine):
+        cfg = types.SimpleNamespace(comms="suspend")
+        me = types.SimpleNamespace(cfg=cfg, own_copy=own_copy, engine=engine)
+        me._timed_sync, me._gather_then = (lambda: None), (lambda then, reshard: None)
+        return me, Policy.weight_sync(me)
+
+    me, sync = policy(True, Tagged())
+    assert sync is me._timed_sync
+    for own_copy, engine, reshard in ((True, None, False), (True, Bare(), True), (False, Tagged(), False)):
+        me, sync = policy(own_copy, engine)
+        assert isinstance(sync, functools.partial) and sync.func is me._gather_then
+        assert sync.keywords == {"reshard": reshard}
+        assert sync.args == ((None,) if engine is None else (me._timed_sync,))
+    me = types.SimpleNamespace(cfg=types.SimpleNamespace(comms="keep"), own_copy=True, engine=Tagged())
+    me._timed_sync = lambda: None
+    assert Policy.weight_sync(me) is me._timed_sync

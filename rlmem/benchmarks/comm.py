@@ -368,12 +368,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     counts = [int(c) for c in args.counts.split(",")]
     world = torch.cuda.device_count()
-    ranks = _spawn(world, counts, args.reps, VARIANTS[names[0]], True, args.phase_gib)
+    t0 = time.perf_counter()
+
+    def spawn(name: str, *a: Any) -> list[dict[str, Any]]:
+        # A line per spawn as it goes: a run cut short by its caller's time limit still says how far it got.
+        print(f"{name}: {world} ranks, groups {a[0]} ...", flush=True)
+        out = _spawn(world, *a)
+        print(f"{name}: done at {time.perf_counter() - t0:.0f} s", flush=True)
+        return out
+
+    ranks = spawn(names[0], counts, args.reps, VARIANTS[names[0]], True, args.phase_gib)
     variants = {names[0]: ranks}
     for name in names[1:]:
-        variants[name] = _spawn(world, [max(counts)], max(2, args.reps // 2), VARIANTS[name], False, 0.0)
+        variants[name] = spawn(name, [max(counts)], max(2, args.reps // 2), VARIANTS[name], False, 0.0)
     for name, env in libs.items():
-        variants[name] = _spawn(world, [max(counts)], max(2, args.reps // 2), env, False, args.phase_gib)
+        variants[name] = spawn(name, [max(counts)], max(2, args.reps // 2), env, False, args.phase_gib)
     rows = []
     nan = float("nan")
     for n, v in ranks[0]["points"].items():

@@ -20,6 +20,7 @@ from .._dtypes import dtype_name
 from .._units import parse_bytes
 from ..plan import presets
 from ..rollout.config import SamplerConfig, kv_batch
+from ..rollout.engine import takes
 from ..rollout.sampler import HFSampler, kv_bytes_per_token
 from ..rollout.server_rollout import SERVER_CATEGORIES, ServerRollout
 from ..train.phases import OffloadConfig, PhaseManager
@@ -138,11 +139,17 @@ class Policy:
 
     def weight_sync(self) -> Callable[[], Any] | None:
         """What ``pm.rollout(sync_weights=...)`` runs: the engine's weight sync, and with the communicators
-        about to be suspended, FSDP's all-gather first (the weights are gathered while they still work)."""
+        about to be suspended, FSDP's all-gather first where the sync (or the rollout) would come after them.
+
+        An engine with its own copy that wakes its weights apart (``wake(tags)``) is synced before the switch
+        suspends anything, gathering parameter by parameter as with ``comms="keep"``: gathering every layer
+        at once first would only raise the switch's peak by the whole model."""
         sync = self._timed_sync if self.engine is not None else None
         if self.cfg.comms == "suspend":
-            reshard = self.own_copy and self.engine is not None
-            sync = functools.partial(self._gather_then, sync, reshard=reshard)
+            early = self.own_copy and self.engine is not None and takes(self.engine.wake, "tags")
+            if not early:
+                reshard = self.own_copy and self.engine is not None
+                sync = functools.partial(self._gather_then, sync, reshard=reshard)
         return sync
 
     @property
@@ -194,6 +201,9 @@ class Policy:
                 )
                 if self.pm.state is not None:
                     self.engine.track_train_state(self.pm.state)
+                # Its copy is filled: the weights gathered for it (comms="suspend" gathers them all at once
+                # before the switch) and their cached blocks go before its cache takes the device.
+                self._drop_gathered()
                 # Made inside the first rollout (or with no handoff at all, when it then keeps it): the
                 # server takes its memory now.
                 self.engine.wake()
@@ -203,6 +213,13 @@ class Policy:
             if self.own_copy:  # filled from the weights gathered for it: FSDP's gathered copy can go
                 self._set_reshard(True)
         return self.engine
+
+    def _drop_gathered(self) -> None:
+        """FSDP's gathered weights go (the engine samples from its own copy), and with them the blocks they
+        leave in PyTorch's cache where the switch gives the cache back (:func:`releases_cache`)."""
+        self._set_reshard(True)
+        if releases_cache(self.cfg) and self.rt.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Let the engine go (a server this run started is stopped)."""
