@@ -72,6 +72,21 @@ def worker(rank: int, world: int, port: int, out: str, backend: str, device_kind
             res["captures"].append(s.captures)
             res["fsdp_forwards"].append(len(calls))
         hook.remove()
+        # The copy is each parameter cast to bf16, bit for bit, and the sync gathers the shards in bf16 (cast
+        # before the gather): half the bytes of gathering the fp32 shards.
+        from torch.distributed.tensor import DTensor
+
+        gathered, plain = [], DTensor.full_tensor
+        DTensor.full_tensor = lambda t, **kw: gathered.append(str(t.dtype)) or plain(t, **kw)
+        try:
+            s.sync_weights()
+        finally:
+            DTensor.full_tensor = plain
+        res["gathered_dtypes"] = sorted(set(gathered))
+        want_bf16 = {n: p.detach().to(torch.bfloat16) for n, p in ref.named_parameters()}
+        res["copy_bits_equal"] = all(
+            torch.equal(s.weights[n].view(torch.int16), w.view(torch.int16)) for n, w in want_bf16.items()
+        )
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
         res["params_equal"] = all(torch.equal(full[n], p) for n, p in ref.named_parameters())
         res["copy_bytes"] = s.weights_region.nbytes

@@ -498,6 +498,7 @@ def _check_fsdp_copy(res: dict) -> None:
     assert res["params_equal"]  # the training itself went the same way on both
     assert res["fsdp_forwards"] == [0, 0, 0]  # FSDP's forward (and its all-gathers) never ran to sample
     assert res["copy_is_bf16"] and res["copy_bytes"] >= res["full_bytes_bf16"]  # the full weights per rank
+    assert res["copy_bits_equal"] and res["gathered_dtypes"] == ["torch.bfloat16"]  # cast, then gathered
 
 
 def test_fsdp2_rollout_copy_samples_the_full_weights_without_fsdp(tmp_path):

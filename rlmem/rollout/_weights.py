@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._dtensor import is_dtensor
+from .._dtensor import full, is_dtensor
 from .._units import round_up
 from ..memory.region import Region
 
@@ -75,9 +75,10 @@ def rollout_copy(model: nn.Module, dtype: torch.dtype, device: torch.device, nam
 
 def copy_parameters(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy (and cast) ``model``'s parameters into ``tensors``. A sharded parameter (FSDP2, a DTensor) is
-    gathered whole, one parameter at a time: a collective, so every rank copies together."""
+    gathered whole, one parameter at a time (cast to the copy's dtype first where it is narrower): a
+    collective, so every rank copies together."""
     for n, p in model.named_parameters():
-        tensors[n].copy_(p.full_tensor() if is_dtensor(p) else p)
+        tensors[n].copy_(full(p, tensors[n].dtype))
 
 
 def attached_state(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
