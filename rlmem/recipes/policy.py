@@ -209,9 +209,9 @@ class Policy:
                 self.engine.wake()
             else:
                 self.engine = HFSampler(self.model, **sampler.sampler_kwargs(), rollout_dtype=rollout_dtype)
+                if self.own_copy:  # filled from the weights gathered for it: FSDP's gathered copy can go
+                    self._set_reshard(True)
             self.pm.add_engine(self.engine)
-            if self.own_copy:  # filled from the weights gathered for it: FSDP's gathered copy can go
-                self._set_reshard(True)
         return self.engine
 
     def _drop_gathered(self) -> None:

@@ -76,12 +76,16 @@ class ServedModel:
         if next(model.parameters()).device.type != "meta":
             self.sampler = HFSampler(model, **self._kw, asleep=member is not None)
 
+    def _bind_thread(self) -> None:
+        """Make the server's GPU this thread's current device (see the module's docstring)."""
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     @contextlib.contextmanager
     def _using(self) -> Iterator[None]:
         """The lock, held by a thread whose current device is the server's."""
         with self.lock:
-            if self.device is not None and self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
+            self._bind_thread()
             yield
 
     def _kv_regions(self) -> tuple:
@@ -268,8 +272,7 @@ class ServedModel:
         member, handlers = self.member, self.seat.handlers()
 
         def loop() -> None:
-            if self.device is not None and self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # the fences' synchronizes and the handoff's copies
+            self._bind_thread()  # the fences' synchronizes and the handoff's copies
             try:
                 member.serve(handlers, until=stop.is_set)
             except Exception:

@@ -331,10 +331,9 @@ class PhaseManager:
             torch.cuda.empty_cache()
         assert self.state is not None
         self.state.reload(blocking=False)
-        if self.config.comms == "suspend":
-            # After the reload is queued: NCCL's resume (host work, mapping, barriers) runs while the copy
-            # stream brings the train state back, so a switch sees the longer of the two, not their sum.
-            self._switches["comm_resume"] = comm.resume(self.comm_groups)
+        # After the reload is queued: NCCL's resume (host work, mapping, barriers) runs while the copy stream
+        # brings the train state back, so a switch sees the longer of the two, not their sum.
+        self.resume_comms()
         self._reloading = True
         self._switches["prefetch_s"] = time.perf_counter() - t0
 
