@@ -73,15 +73,20 @@ def worker(rank: int, world: int, port: int, out: str, backend: str, device_kind
             res["fsdp_forwards"].append(len(calls))
         hook.remove()
         # The copy is each parameter cast to bf16, bit for bit, and the sync gathers the shards in bf16 (cast
-        # before the gather): half the bytes of gathering the fp32 shards.
+        # before the gather): half the bytes of gathering the fp32 shards, many parameters in one all-gather.
+        import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        gathered, plain = [], DTensor.full_tensor
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        gathered, plain, plain_ag = [], DTensor.full_tensor, getattr(dist, name)
         DTensor.full_tensor = lambda t, **kw: gathered.append(str(t.dtype)) or plain(t, **kw)
+        setattr(dist, name, lambda o, i, **kw: gathered.append(str(i.dtype)) or plain_ag(o, i, **kw))
         try:
             s.sync_weights()
         finally:
             DTensor.full_tensor = plain
+            setattr(dist, name, plain_ag)
+        res["gathers"], res["params"] = len(gathered), len(list(model.parameters()))
         res["gathered_dtypes"] = sorted(set(gathered))
         want_bf16 = {n: p.detach().to(torch.bfloat16) for n, p in ref.named_parameters()}
         res["copy_bits_equal"] = all(

@@ -499,6 +499,7 @@ def _check_fsdp_copy(res: dict) -> None:
     assert res["fsdp_forwards"] == [0, 0, 0]  # FSDP's forward (and its all-gathers) never ran to sample
     assert res["copy_is_bf16"] and res["copy_bytes"] >= res["full_bytes_bf16"]  # the full weights per rank
     assert res["copy_bits_equal"] and res["gathered_dtypes"] == ["torch.bfloat16"]  # cast, then gathered
+    assert 0 < res["gathers"] < res["params"]  # many parameters in one all-gather
 
 
 def test_fsdp2_rollout_copy_samples_the_full_weights_without_fsdp(tmp_path):
@@ -514,3 +515,26 @@ def test_fsdp2_rollout_copy_keeps_its_graphs_through_training(tmp_path):
     res = _fsdp_sampler(tmp_path, "nccl", "cuda", 1)
     _check_fsdp_copy(res)
     assert res["captures"][0] > 0 and len(set(res["captures"])) == 1
+
+
+def test_copy_full_buckets_are_bit_for_bit_the_gathers_one_by_one(tmp_path):
+    # FSDP2's shards (on dim 0, over a one-dimensional mesh) are gathered many to an all-gather; uneven rows,
+    # fewer rows than ranks and no rows at all land where one gather per parameter puts them. A DTensor
+    # replicated or sharded on another dim is gathered alone, and a plain tensor copied.
+    import json
+    from pathlib import Path
+
+    from _helpers import run_ranks
+
+    out = tmp_path / "out.json"
+    script = Path(__file__).parent / "_copy_full.py"
+    proc = run_ranks(script, "gloo", "cpu", str(out), "3", timeout=300)  # three ranks: rows left over
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 6 and all(c["same"] for c in cases), cases
+    assert {c["dtypes"][0] for c in cases} == {"torch.bfloat16", "torch.float32"}  # cast before the gather
+    assert all(len(c["dtypes"]) == 1 for c in cases)
+    by_size = {(c["dtype"], c["bucket_bytes"]): c["gathers"] for c in cases}
+    for dtype in ("torch.bfloat16", "torch.float32"):
+        # a bucket per parameter (9 sharded on dim 0, one of them without rows), then fewer, then one bucket
+        assert by_size[dtype, 1] == 9 and 1 < by_size[dtype, 96] < 9 and by_size[dtype, 1 << 20] == 1

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._dtensor import full
+from .._dtensor import copy_full
 from .._units import round_up
 from ..memory.region import Region
 from ..memory.sharing import SharedLayout
@@ -89,8 +89,7 @@ class SharedWeights:
         """
         if self.region.paused:
             raise RuntimeError(f"SharedWeights {self.region.name!r} is paused: resume it before sync()")
-        for n, p in self.model.named_parameters():
-            self.tensors[n].copy_(full(p, self.tensors[n].dtype))
+        copy_full((p, self.tensors[n]) for n, p in self.model.named_parameters())
         for n, b in self.model.named_buffers() if self.buffers else ():
             self.tensors[n].copy_(b)
         if self.region.device.type == "cuda":

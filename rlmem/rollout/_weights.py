@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._dtensor import full, is_dtensor
+from .._dtensor import copy_full, is_dtensor
 from .._units import round_up
 from ..memory.region import Region
 
@@ -74,11 +74,10 @@ def rollout_copy(model: nn.Module, dtype: torch.dtype, device: torch.device, nam
 
 
 def copy_parameters(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy (and cast) ``model``'s parameters into ``tensors``. A sharded parameter (FSDP2, a DTensor) is
-    gathered whole, one parameter at a time (cast to the copy's dtype first where it is narrower): a
-    collective, so every rank copies together."""
-    for n, p in model.named_parameters():
-        tensors[n].copy_(full(p, tensors[n].dtype))
+    """Copy (and cast) ``model``'s parameters into ``tensors``. Sharded parameters (FSDP2's DTensors) are
+    gathered whole, cast to the copy's dtype first, many in one all-gather (:func:`copy_full`): a collective,
+    so every rank copies together."""
+    copy_full((p, tensors[n]) for n, p in model.named_parameters())
 
 
 def attached_state(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
