@@ -230,23 +230,27 @@ def test_serve_on_tcp_needs_its_token(tmp_path, procs):
     assert not eng.is_sleeping()
 
 
-def test_serve_refuses_bad_arguments(tmp_path):
-    def run(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "rlmem", "serve", *argv], capture_output=True, text=True, timeout=120
-        )
+def test_serve_refuses_bad_arguments(tmp_path, capsys):
+    # In this process: each refusal comes before anything is loaded, bound or started (as the command line's)
+    from rlmem.serve.main import main
 
-    r = run("tiny", "--host", "0.0.0.0", "--device", "cpu")
-    assert r.returncode == 2 and "--token" in r.stderr
-    r = run(str(tmp_path), "--weights", "shared", "--device", "cpu", "--uds", str(tmp_path / "a" / "s"))
-    assert r.returncode == 2 and "config.json" in r.stderr
+    def run(*argv: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as e:
+            main(list(argv))
+        return e.value.code, capsys.readouterr().err
+
+    code, err = run("tiny", "--host", "0.0.0.0", "--device", "cpu")
+    assert code == 2 and "--token" in err
+    sock = str(tmp_path / "a" / "s")
+    code, err = run(str(tmp_path), "--weights", "shared", "--device", "cpu", "--uds", sock)
+    assert code == 2 and "config.json" in err
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o777)
     os.chmod(open_dir, 0o777)
-    r = run("tiny", "--device", "cpu", "--uds", str(open_dir / "s.sock"))
-    assert r.returncode == 2 and "other users" in r.stderr
-    r = run("tiny", "--device", "cpu", "--batch-size", "0")
-    assert r.returncode == 2 and "--batch-size" in r.stderr
+    code, err = run("tiny", "--device", "cpu", "--uds", str(open_dir / "s.sock"))
+    assert code == 2 and "other users" in err
+    code, err = run("tiny", "--device", "cpu", "--batch-size", "0")
+    assert code == 2 and "--batch-size" in err
 
 
 @pytest.mark.gpus(2)
