@@ -360,7 +360,7 @@ def test_comms_suspend_gathers_the_whole_model_only_where_the_sync_comes_after_t
     # With comms="suspend", FSDP gathers every layer before the switch suspends the groups only where the
     # engine's sync (or the rollout itself) would come after them: the first rollout, which makes the engine
     # inside it, and an engine sampling from the model. An engine with its own copy that wakes its weights
-    # apart is synced before the suspend, parameter by parameter, as with comms="keep".
+    # apart is synced before the suspend, in buckets, as with comms="keep".
     import functools
     import types
 

@@ -142,8 +142,8 @@ class Policy:
         about to be suspended, FSDP's all-gather first where the sync (or the rollout) would come after them.
 
         An engine with its own copy that wakes its weights apart (``wake(tags)``) is synced before the switch
-        suspends anything, gathering parameter by parameter as with ``comms="keep"``: gathering every layer
-        at once first would only raise the switch's peak by the whole model."""
+        suspends anything, gathering in buckets as with ``comms="keep"``: gathering every layer at once first
+        would only raise the switch's peak by the whole model."""
         sync = self._timed_sync if self.engine is not None else None
         if self.cfg.comms == "suspend":
             early = self.own_copy and self.engine is not None and takes(self.engine.wake, "tags")

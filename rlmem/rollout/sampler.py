@@ -273,7 +273,7 @@ class HFSampler:
     def sync_weights(self) -> None:
         """Copy the model's parameters into the rollout copy (``rollout_dtype``); nothing without one.
 
-        A sharded parameter (FSDP2, a DTensor) is gathered whole, one parameter at a time: a collective, so
+        Sharded parameters (FSDP2's DTensors) are gathered whole, many in one all-gather: a collective, so
         every rank syncs together, while its communicators work. A model FSDP holds gathered (``unshard()``)
         is read as it is, with no communication.
 
