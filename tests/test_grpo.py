@@ -179,6 +179,7 @@ def test_outputs_and_report(tmp_path, capsys):
     rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and all(r["tokens"] > 0 for r in rows)
     assert all(r["alloc_retries"] == 0 for r in rows)  # PyTorch's allocator retries: none off a GPU
+    assert all(0 < r["logprobs_s"] < r["train_s"] for r in rows)  # a part of the train phase
     (run_dir / "memory.png").unlink()
     assert cli_main(["report", str(run_dir)]) == 0
     assert "memory by phase" in capsys.readouterr().out and (run_dir / "memory.png").is_file()

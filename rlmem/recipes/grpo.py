@@ -198,7 +198,9 @@ def _train(
                         adv = group_advantages(rewards, cfg.group_size)
                         seqs = [p + c for p, c in zip(group, comps, strict=True)]
                         b = make_batch(seqs, [len(p) for p in group], prompts.pad_id)
-                        old, refs = _score(policy, b, cfg.micro_batch_size, rt)
+                        t1 = time.perf_counter()
+                        old, refs = _score(policy, b, cfg.micro_batch_size, rt)  # on the host: waited for
+                        logprobs_s = time.perf_counter() - t1
                         tl.sample("train", step)
                         updating = True
                         loss, kl, gnorm, skipped = _update(cfg, policy, rt, tl, b, adv, old, refs, step)
@@ -223,6 +225,7 @@ def _train(
                     step_s=time.perf_counter() - t_step,
                     eval_reward=eval_reward,
                     sync_s=policy.last_sync_s,
+                    logprobs_s=logprobs_s,
                 )
                 log.step(log.record(res, tl, engine, pm.stats().switches if policy.offload else None))
                 done = step + 1

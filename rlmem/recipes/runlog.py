@@ -43,6 +43,7 @@ class StepResult:
     step_s: float
     eval_reward: float | None = None
     sync_s: float | None = None  # the rollout weights' sync, within the switch to rollout
+    logprobs_s: float | None = None  # within train_s: the log-probs before the update (policy, reference)
 
 
 class RunLog:
@@ -104,6 +105,7 @@ class RunLog:
             "rollout_s": r.rollout_s,
             "score_s": r.score_s,
             "train_s": r.train_s,
+            "logprobs_s": r.logprobs_s,
             "switch_s": r.switch_s,
             "sync_s": r.sync_s,
             "step_s": r.step_s,
