@@ -287,9 +287,9 @@ fi
 if [[ $what == two-gpu ]]; then
   # The two-GPU tests: a server on the second GPU alone (no context on the first), a server per rank,
   # Megatron-Core with TP / PP / DP (megatron-core carried in .whl), the Megatron example with --tp 2, FSDP2
-  # under torchrun (args go to pytest, e.g. -k megatron).
+  # under torchrun, the weight sync's bucketed gather on NCCL (args go to pytest, e.g. -k megatron).
   python3 -m pytest -q -rs -m gpus tests/test_serve.py tests/test_serve_dist.py tests/test_megatron_parallel.py \
-    tests/test_megatron.py tests/test_grpo_dist.py "$@" 2>&1 | tee "$OUT/tests_two_gpu.log"
+    tests/test_megatron.py tests/test_grpo_dist.py tests/test_hf_sampler.py "$@" 2>&1 | tee "$OUT/tests_two_gpu.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == bench-two-gpu ]]; then
@@ -358,7 +358,7 @@ fi
 if [[ $what == tests-gpus ]]; then
   preload_carried_nccl
   python3 -c 'import torch; print("torch reports NCCL", torch.cuda.nccl.version())' 2>&1 | tee "$OUT/tests_gpus_nccl.txt"
-  read -r -a files <<< "${GPU_TESTS:-tests/test_serve.py tests/test_comm.py tests/test_grpo_dist.py tests/test_serve_dist.py tests/test_state_process.py tests/test_megatron.py}"
+  read -r -a files <<< "${GPU_TESTS:-tests/test_serve.py tests/test_comm.py tests/test_grpo_dist.py tests/test_serve_dist.py tests/test_state_process.py tests/test_megatron.py tests/test_hf_sampler.py}"
   bounded 10 python3 -m pytest -v -rs --durations=0 -m gpus "${files[@]}" "$@" 2>&1 | tee "$OUT/tests_gpus.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi

@@ -517,7 +517,15 @@ def test_fsdp2_rollout_copy_keeps_its_graphs_through_training(tmp_path):
     assert res["captures"][0] > 0 and len(set(res["captures"])) == 1
 
 
-def test_copy_full_buckets_are_bit_for_bit_the_gathers_one_by_one(tmp_path):
+# three Gloo ranks (rows left over), and a rank per GPU (named world<n>, as the other GPU runs: -k world4)
+_COPY_FULL_RANKS = [
+    pytest.param(("gloo", "cpu", 3), id="cpu-world3"),
+    *(pytest.param(("nccl", "cuda", n), marks=pytest.mark.gpus(n), id=f"world{n}") for n in (2, 4)),
+]
+
+
+@pytest.mark.parametrize("ranks", _COPY_FULL_RANKS)
+def test_copy_full_buckets_are_bit_for_bit_the_gathers_one_by_one(tmp_path, ranks):
     # FSDP2's shards (on dim 0, over a one-dimensional mesh) are gathered many to an all-gather; uneven rows,
     # fewer rows than ranks and no rows at all land where one gather per parameter puts them. A DTensor
     # replicated or sharded on another dim is gathered alone, and a plain tensor copied.
@@ -528,7 +536,8 @@ def test_copy_full_buckets_are_bit_for_bit_the_gathers_one_by_one(tmp_path):
 
     out = tmp_path / "out.json"
     script = Path(__file__).parent / "_copy_full.py"
-    proc = run_ranks(script, "gloo", "cpu", str(out), "3", timeout=300)  # three ranks: rows left over
+    backend, device, world = ranks
+    proc = run_ranks(script, backend, device, str(out), str(world), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
     assert len(cases) == 6 and all(c["same"] for c in cases), cases
