@@ -5,16 +5,22 @@ gathered whole for a copy of the weights (FSDP2's shards in buckets, one all-gat
 from __future__ import annotations
 
 try:
+    import torch.distributed as _dist
     from torch.distributed.tensor import DTensor
+
+    # The all-gather into one tensor, by its name in torch.distributed (torch 2.13 renamed it), looked up at
+    # each call: a caller that counts the gathers wraps it under this name.
+    ALL_GATHER = "all_gather_single" if hasattr(_dist, "all_gather_single") else "all_gather_into_tensor"
 except ImportError:  # pragma: no cover - builds without torch.distributed
     DTensor = None  # type: ignore[assignment,misc]
+    ALL_GATHER = ""
 
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["DTensor", "copy_full", "full", "is_dtensor"]
+__all__ = ["ALL_GATHER", "DTensor", "copy_full", "full", "is_dtensor"]
 
 # The most one bucket's all-gather puts out on a rank (the whole of its parameters, every rank's shard): what
 # the gather adds to the device's memory while a copy is filled. A parameter larger than this goes alone.
@@ -55,7 +61,7 @@ def copy_full(
         pairs: (source, destination) pairs; each destination has its source's global shape.
         bucket_bytes: the most one bucket's gather puts out per rank.
     """
-    bucket: list[tuple[torch.Tensor, torch.Tensor]] = []
+    bucket: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []  # (shard, destination, rows, slot)
     mesh: Any = None
     out_bytes = 0
     with torch.no_grad():
@@ -64,12 +70,13 @@ def copy_full(
             if m is None:
                 dst.copy_(full(src, dst.dtype))
                 continue
-            nbytes = _slot(dst, m.size()) * m.size() * dst.dtype.itemsize
+            rows, slot = _span(dst, m.size())
+            nbytes = slot * m.size() * dst.dtype.itemsize
             full_up = out_bytes + nbytes > bucket_bytes
             if bucket and (m is not mesh or dst.dtype != bucket[0][1].dtype or full_up):
                 _gather_bucket(bucket, mesh)
                 bucket, out_bytes = [], 0
-            bucket.append((src.to_local(), dst))
+            bucket.append((src.to_local(), dst, rows, slot))
             mesh, out_bytes = m, out_bytes + nbytes
         if bucket:
             _gather_bucket(bucket, mesh)
@@ -90,45 +97,40 @@ def _row_sharded(src: torch.Tensor, dst: torch.Tensor) -> Any:
     return src.device_mesh
 
 
-def _slot(dst: torch.Tensor, world: int) -> int:
-    """Elements of one rank's slot in a bucket for ``dst``: torch.chunk's chunk of its rows (the most rows a
-    rank holds: DTensor's ``Shard`` splits as torch.chunk does)."""
-    return -(-dst.shape[0] // world) * (dst[0].numel() if dst.shape[0] else 0)
+def _span(dst: torch.Tensor, world: int) -> tuple[int, int]:
+    """The most rows a rank holds of ``dst`` (torch.chunk's chunk: DTensor's ``Shard`` splits as torch.chunk
+    does), and the elements of one rank's slot in a bucket for it."""
+    rows = -(-dst.shape[0] // world)
+    return rows, rows * (dst[0].numel() if dst.shape[0] else 0)
 
 
-def _gather_bucket(bucket: list[tuple[torch.Tensor, torch.Tensor]], mesh: Any) -> None:
+def _gather_bucket(bucket: list[tuple[torch.Tensor, torch.Tensor, int, int]], mesh: Any) -> None:
     """One all-gather for the bucket's shards (cast into each rank's slots), then each destination filled from
     every rank's slot: whole chunks in one copy, the last rank's shorter one in a second."""
-    import torch.distributed as dist
-
     world, rank = mesh.size(), mesh.get_local_rank()
     dtype, device = bucket[0][1].dtype, bucket[0][1].device
-    slots = [_slot(dst, world) for _, dst in bucket]
-    per = sum(slots)
+    per = sum(slot for *_, slot in bucket)
     send = torch.empty(per, dtype=dtype, device=device)  # the padding past a short shard is never read
     off = 0
-    for (local, dst), n in zip(bucket, slots, strict=True):
-        rows = -(-dst.shape[0] // world)
+    for local, dst, rows, slot in bucket:
         have = max(0, min(rows, dst.shape[0] - rank * rows))
         # torch.chunk's split, as DTensor's Shard documents it
         assert local.shape[0] == have, (local.shape, dst.shape, rank)
         if have:
             send[off : off + local.numel()].view(local.shape).copy_(local)  # cast here, before the gather
-        off += n
+        off += slot
     out = torch.empty(world * per, dtype=dtype, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name from 2.13
-    gather(out, send, group=mesh.get_group())
+    getattr(_dist, ALL_GATHER)(out, send, group=mesh.get_group())
     grid = out.view(world, per)
     off = 0
-    for (_, dst), n in zip(bucket, slots, strict=True):
-        if n:
+    for _, dst, rows, slot in bucket:
+        if slot:
             d0 = dst.shape[0]
-            rows = -(-d0 // world)
             flat = dst.view(d0, -1)
             whole, rest = divmod(d0, rows)
-            piece = grid[:, off : off + n]
+            piece = grid[:, off : off + slot]
             if whole:
                 flat[: whole * rows].view(whole, rows, -1).copy_(piece[:whole].view(whole, rows, -1))
             if rest:
                 flat[whole * rows :].copy_(piece[whole, : rest * flat.shape[1]].view(rest, -1))
-        off += n
+        off += slot

@@ -31,7 +31,7 @@ def worker(rank: int, world: int, port: int, out: str, backend: str, device_kind
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-        from rlmem._dtensor import copy_full, full
+        from rlmem._dtensor import ALL_GATHER, copy_full, full
 
         mesh = init_device_mesh(device_kind, (world,))
         gen = torch.Generator().manual_seed(0)
@@ -41,9 +41,8 @@ def worker(rank: int, world: int, port: int, out: str, backend: str, device_kind
             placement = Replicate() if i == 5 else Shard(1) if i == 9 else Shard(0)
             srcs.append(distribute_tensor(t, mesh, [placement]))
         srcs.append(torch.randn(3, 3, generator=gen).to(device))  # a plain tensor among them
-        # the gathers copy_full issues (torch 2.13 names it all_gather_single; before, all_gather_into_tensor)
-        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-        gathers: list[str] = []
+        # the gathers copy_full issues, by the name it calls
+        name, gathers = ALL_GATHER, []
         plain = getattr(dist, name)
         setattr(dist, name, lambda o, i, **kw: gathers.append(str(i.dtype)) or plain(o, i, **kw))
         res: dict[str, object] = {"world": world, "cases": []}

@@ -77,7 +77,8 @@ def worker(rank: int, world: int, port: int, out: str, backend: str, device_kind
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        from rlmem._dtensor import ALL_GATHER as name
+
         gathered, plain, plain_ag = [], DTensor.full_tensor, getattr(dist, name)
         DTensor.full_tensor = lambda t, **kw: gathered.append(str(t.dtype)) or plain(t, **kw)
         setattr(dist, name, lambda o, i, **kw: gathered.append(str(i.dtype)) or plain_ag(o, i, **kw))
