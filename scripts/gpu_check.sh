@@ -32,6 +32,8 @@
 #   (comm_machine_nccl-<machine>.json); COMM_VARIANTS (default: default) and the args go to both (e.g. --reps 3).
 # tests-gpus: the tests marked gpus(n) of GPU_TESTS (default: those that take a world size) with the carried NCCL
 #   where staged, -v with durations; args go to pytest (e.g. -k world4 for the four-rank runs).
+# Logs are packed at the end into $OUT/logs-<mode>-<pid>.tgz (PACK_LOGS=0: left as files); failures are also
+# written as they happen to $OUT/test_failures.log (RLMEM_FAIL_LOG).
 # A call carrying .nccl/part.K and .nccl/libnccl.sha256 (scripts/nccl_parts.sh prepare) receives the part first
 # and assembles the library in /tmp/rlmem-nccl once all are there, so the parts travel with calls doing other work.
 set -uo pipefail
@@ -43,6 +45,18 @@ shift || true
 machine=${RLMEM_MACHINE:-}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
+# Each failure's report as it happens (tests/conftest.py), should the call's limit cut pytest's summary.
+export RLMEM_FAIL_LOG=${RLMEM_FAIL_LOG:-$OUT/test_failures.log}
+# The device tool brings back at most 8 files: at the end the logs of this run go into one archive
+# (logs-<mode>-<pid>.tgz), the JSON files stay as they are (PACK_LOGS=0 leaves everything).
+pack_logs() {
+  [[ ${PACK_LOGS:-1} == 1 ]] || return 0
+  local logs
+  mapfile -t logs < <(cd "$OUT" && find . -maxdepth 1 -type f ! -name '*.json' ! -name '*.tgz' -printf '%P\n')
+  ((${#logs[@]})) && tar -C "$OUT" -czf "$OUT/logs-$what-$$.tgz" --remove-files "${logs[@]}"
+  return 0
+}
+trap pack_logs EXIT
 # The call's deadline (bash's SECONDS counts from the script's start) and a command bounded by it.
 deadline=$((SECONDS + ${CALL_S:-540}))
 bounded() {  # bounded RESERVE CMD...: CMD under timeout, given the call's time left less RESERVE seconds
@@ -253,11 +267,13 @@ if [[ $what == grpo-dist ]]; then
   preload_carried_nccl
   gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   if [[ ${GRPO_DIST_TESTS:-1} == 1 ]]; then
-    python3 -m pytest -q -rs tests/test_grpo_dist.py -k "gpus" 2>&1 | tee "$OUT/tests_grpo_dist.log"
+    bounded 20 python3 -m pytest -q -rs tests/test_grpo_dist.py -k "gpus" 2>&1 | tee "$OUT/tests_grpo_dist.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   fi
   for comms in keep suspend; do
-    python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" -m rlmem train \
+    # each run bounded by the call's time left (less what the other run and the JSON need)
+    bounded $([[ $comms == keep ]] && echo "${GRPO_DIST_SUSPEND_S:-120}" || echo 20) \
+      python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" -m rlmem train \
       examples/grpo_qwen2_2p7b.yaml comms=$comms progress=false plot=false save_every=0 \
       out_dir="/tmp/rlmem-grpo-dist-$comms" "$@" 2>&1 | tee "$OUT/grpo_dist_$comms.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1

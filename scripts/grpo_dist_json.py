@@ -19,7 +19,16 @@ import torch
 from rlmem.benchmarks._common import environment, write_json
 from rlmem.comm import _nccl
 
-KEYS = ("step_s", "rollout_s", "train_s", "switch_s", "tokens_per_s", "used_rollout", "used_train")
+KEYS = (
+    "step_s",
+    "rollout_s",
+    "train_s",
+    "logprobs_s",
+    "switch_s",
+    "tokens_per_s",
+    "used_rollout",
+    "used_train",
+)
 COMM = ("comm_suspend_s", "comm_resume_s", "comm_freed_bytes")
 BY_RANK = ("comm_freed_bytes_by_rank",)  # a list per row (every rank's), not averaged into "steady"
 
@@ -41,6 +50,7 @@ def main(out: Path, machine: str) -> None:
             "model": summary["config"]["model"],
             "world_size": summary["world_size"],
             "precision": summary["precision"],
+            "rollout_dtype": summary["config"].get("rollout_dtype"),
             "steps": summary["steps"],
             "steps_per_row": [{k: r[k] for k in (*KEYS, *COMM, *BY_RANK) if k in r} for r in rows],
             "steady": {k: sum(r[k] for r in steady) / len(steady) for k in (*KEYS, *COMM) if k in steady[0]},

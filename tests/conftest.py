@@ -19,3 +19,15 @@ def pytest_collection_modifyitems(config, items):
 def device(request):
     """Each test runs on the host backend and, where there is one, on a GPU."""
     return request.param
+
+
+def pytest_runtest_logreport(report):
+    """With ``RLMEM_FAIL_LOG=PATH``, each failure's report is appended to PATH as it happens: on the GPU
+    machine a call's time limit can end the session before pytest prints its summary of failures."""
+    import os
+
+    path = os.environ.get("RLMEM_FAIL_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            head = f"=== {report.nodeid} ({report.when}, {report.duration:.1f} s)"
+            f.write(f"{head}\n{report.longreprtext}\n\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rlmem.benchmarks import activations, comm
@@ -289,6 +291,38 @@ def test_grpo_server_benchmark_loads_the_suspend_nccl_in_its_suspend_part_only(t
     assert calls["server-big-suspend"]["env"] == {"LD_PRELOAD": f"{lib}:/x/other.so"}
     assert all(c["nproc"] == 4 and c["timeout_s"] <= 500 for c in calls.values())  # the budget bounds each
     assert all(c["outcome_key"] == "oom" for c in calls.values())  # a rank out of memory ends the part
+
+
+def test_grpo_server_benchmark_keeps_a_finished_run_killed_in_its_teardown(tmp_path, monkeypatch):
+    # A part killed past its time after its run logged every step and wrote its summary keeps those
+    # figures (marked ended_past_time); one killed before its last step stays an error.
+    import json
+
+    from rlmem.benchmarks import grpo_colocated
+
+    one = _server_part(62.0, 2, server=False)
+    summary = {"world_size": 2, "steps": 2, "phases": one["phases"], "precision": "bf16-mixed"}
+    summary["phases_by_rank"] = one["phases_by_rank"]
+    logged = {"big-offload": 2, "server-big-offload": 1}
+
+    def spawn(module, part, argv, *, env=None, nproc=1, timeout_s=None, outcome_key=None):
+        d = Path(argv[argv.index("--part-dir") + 1])
+        rows = [{**one["last"], "step": k + 1} for k in range(logged[part])]
+        (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if logged[part] == 2:
+            (d / "summary.json").write_text(json.dumps(summary))
+        return {"error": f"ran past {timeout_s:g} s: (its end)"}
+
+    monkeypatch.setattr(grpo_colocated, "spawn_part", spawn)
+    out = tmp_path / "b.json"
+    argv = ["--engine", "server", "--device", "cpu", "--model", "tiny", "--gpus", "2", "--json", str(out)]
+    assert grpo_colocated.main([*argv, "--parts", "server-big-offload,big-offload"]) == 1
+    res = json.loads(out.read_text())["results"]
+    assert res["server-big-offload"]["error"].startswith("ran past")
+    kept = res["big-offload"]
+    assert kept["ended_past_time"] and kept["world_size"] == 2 and kept["engine"] == "local"
+    assert [r["step"] for r in kept["steps"]] == [1, 2] and kept["last"]["step_s"] == 62.0
+    assert kept["phases_by_rank"] == one["phases_by_rank"] and "nccl" not in kept
 
 
 def test_rollout_summary_takes_the_gqa_keys_from_the_gqa_preset_whatever_the_order():

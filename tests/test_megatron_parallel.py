@@ -58,7 +58,9 @@ def _check_two(data: dict) -> None:
 def test_two_cpu_ranks(tmp_path):
     data = _run(tmp_path, "--device", "cpu")
     s = data["summary"]
-    assert s["tp2_bit_identical"] and s["pp2_bit_identical"] and s["dp2_bit_identical"]
+    assert s["tp2_bit_identical"] and s["tp2_sp_bit_identical"]  # sequence parallel off and on
+    assert s["pp2_bit_identical"] and s["dp2_bit_identical"]
+    assert s["act_grads_layouts"] == ["tp2", "tp2-sp"]
     assert s["freed_fraction_min"] == 1.0  # nothing of the adopted state resident while away
     _check_two(data)
 

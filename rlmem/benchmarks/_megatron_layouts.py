@@ -21,7 +21,7 @@ class Layout(NamedTuple):
     tp: int
     pp: int
     dp: int = 1
-    sp: bool = False  # sequence parallel (GPU only: Gloo has no reduce-scatter)
+    sp: bool = False  # sequence parallel
     vp: int | None = None  # model chunks per pipeline stage (interleaved schedule)
 
     @property

@@ -144,19 +144,39 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any] | None:
     finally:
         if args.part_dir is None:
             shutil.rmtree(d, ignore_errors=True)
-    last = rows[-1]
+    return _result(cfg, s, rows, nccl)
+
+
+def _result(cfg: Any, s: dict[str, Any], rows: list[dict[str, Any]], nccl: str | None) -> dict[str, Any]:
+    """A part's figures: its run's summary ``s`` and step rows (figures from the last)."""
     return {
         "oom": False,
         "kv_budget": cfg.kv_budget,
         "engine": cfg.engine,
         "world_size": s["world_size"],
         "steps": rows,
-        "last": last,
+        "last": rows[-1],
         "phases": s["phases"],
         **({"phases_by_rank": s["phases_by_rank"]} if "phases_by_rank" in s else {}),
         "precision": s["precision"],
         **({"comms": cfg.comms, "nccl": nccl} if nccl is not None else {}),
     }
+
+
+def finished_past_time(args: argparse.Namespace, part: str, d: str) -> dict[str, Any] | None:
+    """The figures of a part killed past its time after its run had ended: every step logged and the
+    summary written in its directory ``d`` (what the lead rank would have printed), else None. Its
+    ``nccl`` is not known here (the ranks loaded it); ``ended_past_time`` says how it ended."""
+    out = Path(d)
+    try:
+        s = json.loads((out / "summary.json").read_text())
+        rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line]
+    except (OSError, ValueError):
+        return None
+    rows = [r for r in rows if "eval_step" not in r]
+    if s.get("steps") != args.steps or len(rows) != args.steps:
+        return None
+    return {**_result(_config(args, part, d), s, rows, None), "ended_past_time": True}
 
 
 def _nccl_loaded() -> str:
@@ -390,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=timeout_s,  # the net under a rank left waiting in a collective
                 outcome_key="oom",  # a rank out of memory ends its peers by failing (below)
             )
+            if res[part].get("error", "").startswith("ran past"):
+                # killed in its teardown, its run done: the figures it wrote stand
+                res[part] = finished_past_time(args, part, d) or res[part]
         finally:
             shutil.rmtree(d, ignore_errors=True)
         # Parts merged from earlier calls keep their own stamp: a summary across parts of different dates

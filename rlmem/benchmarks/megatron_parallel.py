@@ -12,7 +12,7 @@ main parameters, optimizer states) leaves the device after every step and comes 
 Megatron's distributed optimizer; the layouts that fit the GPUs run (two-rank ones on two, all on four).
 On the CPU (Gloo, the host backend; what CI runs, tiny): fp32, with a stand-in of the mixed-precision
 optimizer's structure (fp32 main-parameter clones under AdamW, as Megatron's optimizers hard-code CUDA),
-Megatron's device and CUDA RNG fork redirected to the host, and no sequence parallelism (Gloo has no
+Megatron's device and CUDA RNG fork redirected to the host (sequence parallelism through Gloo's
 reduce-scatter); the two-rank layouts by default, the four-rank ones as four processes when named, the
 layouts of one world size in one launch.
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--layouts",
         default=None,
-        help=f"of {', '.join(LAYOUTS)} (default: those that fit the GPUs; CPU: the two-rank ones but tp2-sp)",
+        help=f"of {', '.join(LAYOUTS)} (default: those that fit the GPUs; CPU: the two-rank ones)",
     )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--shape", default=None, help="layers,hidden,heads,vocab,seq,batch (default by device)")
@@ -255,8 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if out is not None:
             print(json.dumps(out), flush=True)
         return 0
-    # sequence parallel needs a reduce-scatter, which Gloo lacks
-    known = [x for x, lay in LAYOUTS.items() if cuda or not lay.sp]
+    known = list(LAYOUTS)
     # a rank per GPU: the layouts that fit this machine's; on the CPU (a process per rank) the two-rank ones
     have = torch.cuda.device_count() if cuda else 2
     default = [x for x in known if LAYOUTS[x].world <= have and (cuda or LAYOUTS[x].world == 2)]
