@@ -29,6 +29,9 @@ _BENCHES = (
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``rlmem`` and ``python -m rlmem``."""
+    from ._procs import dump_stacks_on_signal
+
+    dump_stacks_on_signal()  # kill -USR1 PID: where a process (a rank under torchrun) is
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="rlmem", description="GPU memory for co-located RL post-training.")
     p.add_argument("--version", action="version", version=f"rlmem {__version__}")

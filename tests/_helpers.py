@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from rlmem._procs import stop_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -116,27 +118,35 @@ def spawn_ranks(worker: Any, world: int, out: str, *args: Any) -> None:
         print(f.read())
 
 
-def run_ranks(script: Path, *args: str, timeout: float = 600, env: dict | None = None) -> Any:
-    """``python script args...`` (a script that spawns ranks) in a session of its own, its output captured
-    (a ``subprocess.CompletedProcess``). Past ``timeout`` the whole session is killed, ranks included, not
-    only their launcher, and the run fails; so is anything of it still there once the launcher exited."""
-    argv = [sys.executable, str(script), *args]
+def run_launcher(argv: list[str], *, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``argv`` (a launcher: torchrun, or a script that spawns ranks) in a session of its own, its output
+    captured. Past ``timeout`` every process below it writes its Python stacks (rlmem's entry points dump
+    them on SIGUSR1; torchrun's ranks are in sessions of their own), then all are killed, the ranks
+    included, and the run fails with their output; so is anything of it still there once the launcher
+    exited."""
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        why = f"{script.name} ran past {timeout:g} s, killed:\n{out[-2000:]}{err[-4000:]}"
-        raise AssertionError(why) from None
+        out, err = stop_tree(proc, stacks_s=3.0)
+        name = " ".join(str(a) for a in argv[1:4])
+        raise AssertionError(f"{name} ran past {timeout:g} s, killed:\n{out[-2000:]}{err[-8000:]}") from None
+    except BaseException:
+        stop_tree(proc)
+        raise
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def run_ranks(script: Path, *args: str, timeout: float = 600, env: dict | None = None) -> Any:
+    """``python script args...`` (a script that spawns ranks) through :func:`run_launcher`."""
+    return run_launcher([sys.executable, str(script), *args], timeout=timeout, env=env)
 
 
 class JSONHandler(BaseHTTPRequestHandler):

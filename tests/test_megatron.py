@@ -324,18 +324,12 @@ def test_megatron_trainer_bit_identical_cuda(kind, optimizer):
 
 
 def _example(*launcher: str) -> subprocess.CompletedProcess:
-    from _helpers import ROOT
+    from _helpers import ROOT, run_launcher
 
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PYTHONPATH": path, "MASTER_PORT": str(free_port())}
-    return subprocess.run(
-        [*launcher, str(ROOT / "examples" / "megatron_colocated.py"), "--steps", "2"]
-        + (["--tp", "2"] if len(launcher) > 1 else []),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    argv = [*launcher, str(ROOT / "examples" / "megatron_colocated.py"), "--steps", "2"]
+    return run_launcher(argv + (["--tp", "2"] if len(launcher) > 1 else []), timeout=600, env=env)
 
 
 @pytest.mark.parametrize("world", gpu_worlds(2, 4))

@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers import gpu_worlds
+from _helpers import gpu_worlds, run_launcher
+
+from rlmem._procs import stop_tree
 
 pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
@@ -36,12 +38,7 @@ def _rows(out: Path) -> list[dict]:
 
 def _compare(tmp_path: Path, device: str, world: int = 2) -> None:
     for name, extra in (("server", ["engine=server"]), ("local", [])):
-        proc = subprocess.run(
-            _cmd(tmp_path / name, device, "steps=3", *extra, world=world),
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        proc = run_launcher(_cmd(tmp_path / name, device, "steps=3", *extra, world=world), timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     server, local = _rows(tmp_path / "server"), _rows(tmp_path / "local")
     keys = ("reward", "loss", "kl", "grad_norm", "tokens")
@@ -105,18 +102,14 @@ def _interrupted(out: Path, steps: int, hit) -> tuple[subprocess.Popen, str, flo
         text, _ = proc.communicate(timeout=300)
         return proc, text, time.monotonic() - t
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        if proc.poll() is None:  # the ranks too (torchrun starts each in a session of its own)
+            stop_tree(proc)
 
 
 def _resumed(out: Path, steps: int) -> None:
     """``resume=auto`` finishes the run from the checkpoint the interrupted one left."""
-    again = subprocess.run(
-        _cmd(out, "cpu", f"steps={steps}", "max_new_tokens=64", "engine=server", "resume=auto"),
-        capture_output=True,
-        text=True,
-        timeout=900,
+    again = run_launcher(
+        _cmd(out, "cpu", f"steps={steps}", "max_new_tokens=64", "engine=server", "resume=auto"), timeout=900
     )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
     assert (out / f"checkpoint-{steps}").is_dir() and len(_rows(out)) == steps
@@ -192,7 +185,7 @@ def test_a_server_per_gpu_with_the_trainers_communicators_suspended(tmp_path, wo
         return
     for comms in ("keep", "suspend"):
         cmd = _cmd(tmp_path / comms, "cuda", *args, f"comms={comms}", world=world)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        proc = run_launcher(cmd, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     keep, susp = _rows(tmp_path / "keep"), _rows(tmp_path / "suspend")
     assert [(r["reward"], r["loss"]) for r in keep] == [(r["reward"], r["loss"]) for r in susp]

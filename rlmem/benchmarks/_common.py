@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .._procs import stop_tree
+
 
 def package_version(dist: str) -> str | None:
     try:
@@ -141,13 +143,11 @@ def spawn_part(
     try:
         out, err = popen.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(popen.pid, signal.SIGKILL)
-        out, err = popen.communicate()
-        return {"error": f"ran past {timeout_s:g} s: {err[-3000:]}"}
+        # torchrun's ranks too (each in a session of their own), their stacks first
+        out, err = stop_tree(popen, stacks_s=3.0)
+        return {"error": f"ran past {timeout_s:g} s: {err[-6000:]}"}
     except BaseException:
-        with contextlib.suppress(ProcessLookupError):  # it may have ended on its own meanwhile
-            os.killpg(popen.pid, signal.SIGKILL)
-        popen.wait()
+        stop_tree(popen)  # it may have ended on its own meanwhile
         raise
     finally:
         if before is not None:

@@ -62,7 +62,11 @@ class Run:
         self.machine = "cpu"
 
     def parse(self, argv: list[str] | None) -> argparse.Namespace:
-        """Parse ``argv``; resolves :attr:`device` and :attr:`machine`."""
+        """Parse ``argv``; resolves :attr:`device` and :attr:`machine`. ``kill -USR1`` then prints the
+        process's Python stacks (a part's ranks killed past their time say where they were)."""
+        from .._procs import dump_stacks_on_signal
+
+        dump_stacks_on_signal()
         self.args = self.parser.parse_args(argv)
         dev = torch.device(self.args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and dev.index is None:
