@@ -132,7 +132,7 @@ def run_launcher(argv: list[str], *, timeout: float, env: dict | None = None) ->
     except subprocess.TimeoutExpired:
         out, err = stop_tree(proc, stacks_s=3.0)
         name = " ".join(str(a) for a in argv[1:4])
-        raise AssertionError(f"{name} ran past {timeout:g} s, killed:\n{out[-2000:]}{err[-8000:]}") from None
+        raise AssertionError(f"{name} ran past {timeout:g} s, killed:\n{out[-2000:]}{err[-20000:]}") from None
     except BaseException:
         stop_tree(proc)
         raise
