@@ -87,3 +87,19 @@ def stop_tree(proc: subprocess.Popen, *, stacks_s: float = 0.0) -> tuple[str, st
         proc.wait()
         return "", "(the output could not be read: a process it started still holds its pipes)"
     return out or "", err or ""
+
+
+def communicate_or_stop(proc: subprocess.Popen, timeout: float | None) -> tuple[str, str, bool]:
+    """``proc.communicate(timeout)`` for a launcher started as :func:`stop_tree` takes it: its
+    ``(stdout, stderr, False)``; past ``timeout`` the whole tree stopped, every process's stacks first:
+    ``(stdout, stderr, True)``. Anything raised meanwhile (Ctrl-C, a SIGTERM turned into an exception) stops
+    the tree at once and goes on up."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = stop_tree(proc, stacks_s=3.0)
+        return out, err, True
+    except BaseException:
+        stop_tree(proc)  # it may have ended on its own meanwhile
+        raise
+    return out or "", err or "", False

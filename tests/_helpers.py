@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlmem._procs import stop_tree
+from rlmem._procs import communicate_or_stop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,19 +128,15 @@ def run_launcher(argv: list[str], *, timeout: float, env: dict | None = None) ->
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out, err = stop_tree(proc, stacks_s=3.0)
-        name = " ".join(str(a) for a in argv[1:4])
-        raise AssertionError(f"{name} ran past {timeout:g} s, killed:\n{out[-2000:]}{err[-20000:]}") from None
-    except BaseException:
-        stop_tree(proc)
-        raise
+        out, err, late = communicate_or_stop(proc, timeout)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    if late:
+        name = " ".join(str(a) for a in argv[1:4])
+        raise AssertionError(f"{name} ran past {timeout:g} s, killed:\n{out[-2000:]}{err[-20000:]}")
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 

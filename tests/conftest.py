@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -24,8 +26,6 @@ def device(request):
 def pytest_runtest_logreport(report):
     """With ``RLMEM_FAIL_LOG=PATH``, each failure's report is appended to PATH as it happens: on the GPU
     machine a call's time limit can end the session before pytest prints its summary of failures."""
-    import os
-
     path = os.environ.get("RLMEM_FAIL_LOG")
     if path and report.failed:
         with open(path, "a") as f:

@@ -45,6 +45,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _all_ended(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_alive(p) for p in pids)
+
+
 def _start(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pids = tmp_path / "pids"
@@ -67,10 +74,7 @@ def test_a_launcher_past_its_time_takes_its_ranks_with_it_and_they_say_where_the
     assert len(ranks) == 2
     # each rank's Python stack, from SIGUSR1, in what the failure says
     assert str(e.value).count("waiting_in_a_collective") >= 2 and "ran past 8 s" in str(e.value)
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in ranks)
+    assert _all_ended(ranks)
 
 
 def test_stop_tree_finds_ranks_in_their_own_sessions(tmp_path):
@@ -83,8 +87,5 @@ def test_stop_tree_finds_ranks_in_their_own_sessions(tmp_path):
     assert all(os.getsid(p) == p for p in ranks)  # not in the launcher's session: killpg would miss them
     stop_tree(proc)  # no stacks asked for: killed at once
     assert proc.returncode == -9
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in ranks)
+    assert _all_ended(ranks)
     assert descendants(proc.pid) == []

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._procs import stop_tree
+from .._procs import communicate_or_stop
 
 
 def package_version(dist: str) -> str | None:
@@ -141,17 +141,13 @@ def spawn_part(
     if before is not None:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        out, err = popen.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        # torchrun's ranks too (each in a session of their own), their stacks first
-        out, err = stop_tree(popen, stacks_s=3.0)
-        return {"error": f"ran past {timeout_s:g} s: {err[-6000:]}"}
-    except BaseException:
-        stop_tree(popen)  # it may have ended on its own meanwhile
-        raise
+        # past its time: torchrun's ranks too (each in a session of their own), their stacks first
+        out, err, late = communicate_or_stop(popen, timeout_s)
     finally:
         if before is not None:
             signal.signal(signal.SIGTERM, before)
+    if late:
+        return {"error": f"ran past {timeout_s:g} s: {err[-6000:]}"}
     sys.stderr.write(err[-4000:])
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if popen.returncode != 0 and outcome_key is not None:

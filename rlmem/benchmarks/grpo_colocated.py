@@ -139,7 +139,7 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any] | None:
             }
         if rank:
             return None
-        rows = [json.loads(line) for line in (Path(d) / "log.jsonl").read_text().splitlines()]
+        rows = _logged_steps(d)
         nccl = _nccl_loaded() if s["world_size"] > 1 and cfg.device == "cuda" else None
     finally:
         if args.part_dir is None:
@@ -163,17 +163,21 @@ def _result(cfg: Any, s: dict[str, Any], rows: list[dict[str, Any]], nccl: str |
     }
 
 
+def _logged_steps(d: str) -> list[dict[str, Any]]:
+    """The step rows the run in ``d`` logged (``log.jsonl``; an evaluation's rows are not steps)."""
+    lines = (Path(d) / "log.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if "eval_step" not in r]
+
+
 def finished_past_time(args: argparse.Namespace, part: str, d: str) -> dict[str, Any] | None:
     """The figures of a part killed past its time after its run had ended: every step logged and the
     summary written in its directory ``d`` (what the lead rank would have printed), else None. Its
     ``nccl`` is not known here (the ranks loaded it); ``ended_past_time`` says how it ended."""
-    out = Path(d)
     try:
-        s = json.loads((out / "summary.json").read_text())
-        rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line]
+        s = json.loads((Path(d) / "summary.json").read_text())
+        rows = _logged_steps(d)
     except (OSError, ValueError):
         return None
-    rows = [r for r in rows if "eval_step" not in r]
     if s.get("steps") != args.steps or len(rows) != args.steps:
         return None
     return {**_result(_config(args, part, d), s, rows, None), "ended_past_time": True}

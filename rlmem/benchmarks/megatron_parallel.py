@@ -255,14 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         if out is not None:
             print(json.dumps(out), flush=True)
         return 0
-    known = list(LAYOUTS)
     # a rank per GPU: the layouts that fit this machine's; on the CPU (a process per rank) the two-rank ones
     have = torch.cuda.device_count() if cuda else 2
-    default = [x for x in known if LAYOUTS[x].world <= have and (cuda or LAYOUTS[x].world == 2)]
+    default = [x for x, lay in LAYOUTS.items() if lay.world <= have and (cuda or lay.world == 2)]
     layouts = [x for x in (args.layouts or ",".join(default)).split(",") if x]
-    bad = [x for x in layouts if x not in known]
+    bad = [x for x in layouts if x not in LAYOUTS]
     if bad:
-        run_.error(f"--layouts: {bad[0]!r} is not one of {', '.join(known)}")
+        run_.error(f"--layouts: {bad[0]!r} is not one of {', '.join(LAYOUTS)}")
     if cuda and not run_.needs_cuda(max([2] + [LAYOUTS[x].world for x in layouts])):
         return 2
     for x in layouts:
