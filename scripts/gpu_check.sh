@@ -19,7 +19,8 @@
 # serve runs the CUDA tests of rlmem serve, engine=server and the two-process handoff (args go to pytest);
 # bench-server passes its args to rlmem bench grpo_colocated --engine server (e.g. --parts big-offload --merge).
 # Carry .whl (torch_memory_saver 0.0.10 for the phase_switch comparison, megatron-core 0.16.1 cp312 for the
-# Megatron tests and benchmark, fastapi / starlette / pydantic / uvicorn for rlmem serve); see docs/benchmarks.md.
+# Megatron tests and benchmark, fastapi / starlette / pydantic / uvicorn for rlmem serve, and opentelemetry-api,
+# which fastapi 0.155 to 0.165 import); see docs/benchmarks.md.
 #
 # Every GPU of the machine (four for the four-GPU runs), each call ending within CALL_S seconds (default 540: the
 # device tool stops a command at 600), every command under coreutils' timeout with what the call has left:
