@@ -64,6 +64,65 @@ def test_a_server_per_gpu_trains_as_the_local_engine(tmp_path, world):
     _compare(tmp_path, "cuda", world)
 
 
+def test_each_rank_joins_the_running_server_of_its_local_rank(tmp_path):
+    # engine_url with {local_rank}: two servers started beforehand (each with its broker), each rank trains
+    # through its own, as the local engine does; the servers, not started by the run, are left running.
+    import torch
+
+    from rlmem.colocate import Broker
+    from rlmem.recipes.config import GRPOConfig
+    from rlmem.recipes.policy import build_policy
+    from rlmem.recipes.task import CharTokenizer
+
+    model = build_policy(GRPOConfig(), torch.device("cpu"), torch.float32, CharTokenizer().vocab_size, 0)
+    model.config.save_pretrained(tmp_path / "model")
+    brokers, servers, socks = [], [], [tmp_path / "s" / f"serve-{r}.sock" for r in range(2)]
+    try:
+        for r, sock in enumerate(socks):
+            brokers.append(Broker(tmp_path / f"b{r}" / "broker.sock").start())
+            argv = [sys.executable, "-m", "rlmem", "serve", str(tmp_path / "model"), "--weights", "shared"]
+            argv += ["--device", "cpu", "--broker", str(brokers[-1].path), "--uds", str(sock)]
+            argv += ["--pad-id", "0", "--eos-id", "2", "--max-len", "64", "--batch-size", "16"]
+            with open(tmp_path / f"serve-{r}.log", "w") as log:  # a file: a full pipe would stall it
+                servers.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 120
+        while not all(s.exists() for s in socks):
+            assert all(p.poll() is None for p in servers), [
+                (tmp_path / f"serve-{r}.log").read_text() for r in range(2)
+            ]
+            assert time.monotonic() < deadline, "the servers did not start within 120 s"
+            time.sleep(0.1)
+        url = f"engine_url=unix://{tmp_path / 's'}/serve-{{local_rank}}.sock"
+        for name, extra in (("url", ["engine=server", url]), ("local", [])):
+            proc = run_launcher(_cmd(tmp_path / name, "cpu", "steps=2", *extra), timeout=600)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        keys = ("reward", "loss", "kl", "grad_norm", "tokens")
+        joined, local = _rows(tmp_path / "url"), _rows(tmp_path / "local")
+        assert len(joined) == 2
+        assert [[r[k] for k in keys] for r in joined] == [[r[k] for k in keys] for r in local]
+        assert all(p.poll() is None for p in servers)  # not started by the run: left running
+        # each rank sampled its share through its own server: both generated, together the run's tokens
+        made = [_generated(sock) for sock in socks]
+        assert all(n > 0 for n in made) and sum(made) == sum(r["tokens"] for r in joined), made
+    finally:
+        for p in servers:
+            p.kill()
+            p.wait(10)
+        for b in brokers:
+            b.close()
+
+
+def _generated(sock: Path) -> int:
+    """The tokens the rlmem server at ``sock`` has generated."""
+    from rlmem import RemoteEngine
+
+    eng = RemoteEngine(f"unix://{sock}", timeout=10)
+    try:
+        return int(eng.stats()["tokens_generated"])
+    finally:
+        eng.close()
+
+
 def _server_of_rank(rank: int) -> int | None:
     """The pid of the ``rlmem serve`` started by the trainer of torchrun rank ``rank``, if running."""
     for d in Path("/proc").iterdir():
