@@ -493,3 +493,20 @@ def test_a_rank_out_of_memory_ends_the_part_with_its_outcome(tmp_path):
     (tmp_path / "failing_part.py").write_text(_FAILING_PART.replace('"0") == "1"', '"0") == "0"'))
     out = spawn_part("failing_part", "p", [], env=env, timeout_s=100)  # the line without its key: a failure
     assert out["error"].startswith("exit 3")
+
+
+def test_every_committed_result_names_its_machine_and_is_in_the_index():
+    # each file under bench/results says where and when it was measured (its machine is the one its name
+    # ends with) and docs/benchmarks.md's index lists it
+    import json
+
+    root = Path(__file__).parents[1]
+    lines = (root / "docs" / "benchmarks.md").read_text().splitlines()
+    index = "\n".join(x for x in lines if x.startswith("| "))  # the table of benchmarks and their files
+    files = sorted((root / "bench" / "results").glob("*.json"))
+    assert files
+    for f in files:
+        data = json.loads(f.read_text())
+        assert all(data.get(k) for k in ("date", "versions", "device")), f.name
+        assert f.name.endswith(f"-{data['machine']}.json"), f.name
+        assert f"`{f.name}`" in index, f"{f.name} is not in docs/benchmarks.md's index"
