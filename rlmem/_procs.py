@@ -4,6 +4,11 @@ torchrun starts each rank in a session of its own, so a signal to the launcher's
 reach the ranks: a launcher killed past its time leaves them on the GPUs, waiting in a collective. What a
 launcher started is found by walking parent links (Linux ``/proc``) while the launcher is still alive,
 before anything is signalled.
+
+Stacks asked for by SIGUSR1 go to the process's stderr, or, in a tree started by :func:`launch`, to a file
+of each process's own (``RLMEM_STACKS_DIR``): the ranks of one launcher share its stderr, and dumps written
+at once into one pipe interleave character by character. :func:`stop_tree` then adds each file to the
+output under its process's pid, rank and command.
 """
 
 from __future__ import annotations
@@ -11,22 +16,87 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from typing import Any
 
 STACKS_SIGNAL = signal.SIGUSR1
 
 
+STACKS_DIR_ENV = "RLMEM_STACKS_DIR"
+_STACK_DIRS: dict[int, str] = {}  # launcher pid -> the directory its tree writes its stacks to
+
+
 def dump_stacks_on_signal() -> None:
     """``kill -USR1 PID`` writes every thread's Python stack of this process to stderr (a rank that seems
-    stuck says where). Installed by rlmem's command-line entry points only, where SIGUSR1 is unhandled."""
+    stuck says where), or under :func:`launch` to ``$RLMEM_STACKS_DIR/stacks-PID.txt``. Installed by rlmem's
+    command-line entry points only, where SIGUSR1 is unhandled."""
     if sys.platform == "win32" or signal.getsignal(STACKS_SIGNAL) != signal.SIG_DFL:
         return
     # the process's own stderr (file descriptor 2), not a replacement of sys.stderr (a capture has none)
     with contextlib.suppress(AttributeError, OSError, ValueError):  # no stderr at all: nothing to write to
-        faulthandler.register(STACKS_SIGNAL, file=sys.__stderr__, all_threads=True, chain=False)
+        where, out = os.environ.get(STACKS_DIR_ENV), sys.__stderr__
+        if where:  # faulthandler keeps the file (and its descriptor) for as long as the handler is registered
+            with contextlib.suppress(OSError):  # the directory gone (its launcher ended): stderr
+                out = open(os.path.join(where, f"stacks-{os.getpid()}.txt"), "w")  # noqa: SIM115
+        faulthandler.register(STACKS_SIGNAL, file=out, all_threads=True, chain=False)
+
+
+def launch(argv: list[str], *, env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen:
+    """Start ``argv`` as :func:`stop_tree` takes it: in a session of its own, every process below it
+    writing the stacks SIGUSR1 asks for to a file of its own (read back by :func:`stop_tree`; the directory
+    goes with :func:`done`). ``popen``: the rest of ``subprocess.Popen``'s arguments (pipes, text)."""
+    where = tempfile.mkdtemp(prefix="rlmem-stacks-")
+    try:
+        proc = subprocess.Popen(
+            argv,
+            env={**(os.environ if env is None else env), STACKS_DIR_ENV: where},
+            start_new_session=True,
+            **popen,
+        )
+    except BaseException:
+        shutil.rmtree(where, ignore_errors=True)
+        raise
+    _STACK_DIRS[proc.pid] = where
+    return proc
+
+
+def done(proc: subprocess.Popen) -> None:
+    """Forget a launcher :func:`launch` started: its stacks' directory goes."""
+    where = _STACK_DIRS.pop(proc.pid, None)
+    if where is not None:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _label(pid: int) -> str:
+    """``pid N, RANK=r: command`` of a live process (what /proc says of it)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = " ".join(a.decode(errors="replace") for a in f.read().split(b"\0")[:6] if a)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            rank = next((v[5:].decode() for v in f.read().split(b"\0") if v.startswith(b"RANK=")), None)
+    except OSError:
+        return f"pid {pid}"
+    return f"pid {pid}" + (f", RANK={rank}" if rank is not None else "") + f": {cmd}"
+
+
+def _stacks(where: str, pids: list[int], labels: dict[int, str]) -> str:
+    """Each process's stack file in ``where`` that holds anything, under its label."""
+    out = []
+    for pid in pids:
+        path = os.path.join(where, f"stacks-{pid}.txt")
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if text.strip():
+            out.append(f"--- stacks of {labels.get(pid, f'pid {pid}')} ---\n{text}")
+    return "\n".join(out)
 
 
 def descendants(pid: int) -> list[int]:
@@ -66,11 +136,15 @@ def stop_tree(proc: subprocess.Popen, *, stacks_s: float = 0.0) -> tuple[str, st
             :func:`dump_stacks_on_signal` write their Python stacks into the output (0: kill at once).
     """
     below = descendants(proc.pid)  # while the links to the launcher exist
+    where, stacks = _STACK_DIRS.get(proc.pid), ""
     if stacks_s > 0 and below:
+        labels = {pid: _label(pid) for pid in below}  # before they are killed
         for pid in below:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, STACKS_SIGNAL)
         time.sleep(stacks_s)
+        if where is not None:
+            stacks = _stacks(where, below, labels)
         below += [p for p in descendants(proc.pid) if p not in below]  # started meanwhile
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -85,8 +159,11 @@ def stop_tree(proc: subprocess.Popen, *, stacks_s: float = 0.0) -> tuple[str, st
             if f is not None:
                 f.close()
         proc.wait()
-        return "", "(the output could not be read: a process it started still holds its pipes)"
-    return out or "", err or ""
+        out, err = "", "(the output could not be read: a process it started still holds its pipes)"
+    finally:
+        done(proc)
+    # the stacks last: what a failure keeps of the output is its end
+    return out or "", (err or "") + (f"\n{stacks}" if stacks else "")
 
 
 def communicate_or_stop(proc: subprocess.Popen, timeout: float | None) -> tuple[str, str, bool]:
@@ -102,4 +179,5 @@ def communicate_or_stop(proc: subprocess.Popen, timeout: float | None) -> tuple[
     except BaseException:
         stop_tree(proc)  # it may have ended on its own meanwhile
         raise
+    done(proc)
     return out or "", err or "", False

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlmem._procs import communicate_or_stop
+from rlmem._procs import communicate_or_stop, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,9 +124,7 @@ def run_launcher(argv: list[str], *, timeout: float, env: dict | None = None) ->
     them on SIGUSR1; torchrun's ranks are in sessions of their own), then all are killed, the ranks
     included, and the run fails with their output; so is anything of it still there once the launcher
     exited."""
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
+    proc = launch(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err, late = communicate_or_stop(proc, timeout)
     finally:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from _helpers import run_launcher
@@ -68,13 +70,20 @@ def _wait_for(path, timeout=60.0):
 
 def test_a_launcher_past_its_time_takes_its_ranks_with_it_and_they_say_where_they_were(tmp_path):
     argv, pids = _start(tmp_path)
+    before = set(Path(tempfile.gettempdir()).glob("rlmem-stacks-*"))
     with pytest.raises(AssertionError) as e:
         run_launcher(argv, timeout=8)
     ranks = [int(p) for p in pids.read_text().split()]
     assert len(ranks) == 2
-    # each rank's Python stack, from SIGUSR1, in what the failure says
-    assert str(e.value).count("waiting_in_a_collective") >= 2 and "ran past 8 s" in str(e.value)
+    # each rank's Python stack, from SIGUSR1, in what the failure says: under its pid, whole (each rank
+    # wrote to a file of its own; written at once into the launcher's one stderr they interleave)
+    text = str(e.value)
+    assert "ran past 8 s" in text
+    blocks = text.split("--- stacks of ")[1:]
+    assert sorted(int(b.split()[1].rstrip(",:")) for b in blocks) == sorted(ranks), text[-3000:]
+    assert all("waiting_in_a_collective" in b and "(most recent call first)" in b for b in blocks)
     assert _all_ended(ranks)
+    assert set(Path(tempfile.gettempdir()).glob("rlmem-stacks-*")) <= before  # the files went with the run
 
 
 def test_stop_tree_finds_ranks_in_their_own_sessions(tmp_path):

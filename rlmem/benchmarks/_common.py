@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._procs import communicate_or_stop
+from .._procs import communicate_or_stop, launch
 
 
 def package_version(dist: str) -> str | None:
@@ -124,13 +124,9 @@ def spawn_part(
     if nproc > 1:
         run.append(f"--nproc-per-node={nproc}")
     cmd = [*run, "-m", module, "--part", part, *argv]
-    popen = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,  # its own group: a part that runs over its time goes whole
+    # its own session: a part that runs over its time goes whole, each process's stacks first
+    popen = launch(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
     )
     # The part runs in a session of its own, which a signal to this process's group (coreutils' timeout,
     # Ctrl-C) does not reach: a SIGTERM here ends this process through an exception, which takes the part
@@ -147,7 +143,7 @@ def spawn_part(
         if before is not None:
             signal.signal(signal.SIGTERM, before)
     if late:
-        return {"error": f"ran past {timeout_s:g} s: {err[-6000:]}"}
+        return {"error": f"ran past {timeout_s:g} s: {err[-12000:]}"}  # each rank's stacks at the end
     sys.stderr.write(err[-4000:])
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if popen.returncode != 0 and outcome_key is not None:
