@@ -73,6 +73,17 @@ bounded() {  # bounded RESERVE CMD...: CMD under timeout, given the call's time 
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  # Installed without their dependencies: say at once which of them cannot be imported (a missing dependency
+  # turns their tests into skips and their benchmark parts into failures further on).
+  python3 - <<'PY' 2>&1 | tee "$OUT/wheels.txt"
+import importlib
+for name in ("fastapi", "uvicorn", "datasets"):  # the light ones with dependencies of their own
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        if (getattr(e, "name", None) or "").split(".")[0] != name.split(".")[0]:  # else: not carried
+            print(f"carried wheels: {name} cannot be imported: {e}")
+PY
 fi
 # The carried NCCL (scripts/nccl_parts.sh): this call's part received, the library assembled once whole.
 nccl_lib=${RLMEM_NCCL_DIR:-/tmp/rlmem-nccl}/libnccl.so.2
