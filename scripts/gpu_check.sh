@@ -57,7 +57,21 @@ pack_logs() {
   ((${#logs[@]})) && tar -C "$OUT" -czf "$OUT/logs-$what-$$.tgz" --remove-files "${logs[@]}"
   return 0
 }
-trap pack_logs EXIT
+# The GPUs' clocks, temperature, power and what holds the clocks back, every 2 s while this runs (queries
+# only; GPU_CLOCKS=0: none): a phase whose time moves between runs can be set beside them.
+clocks_pid=
+if [[ ${GPU_CLOCKS:-1} == 1 ]] && command -v nvidia-smi > /dev/null; then
+  reasons=clocks_event_reasons.active  # the older drivers' name for it: clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=$reasons --format=csv,noheader > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,temperature.gpu,power.draw,$reasons \
+    --format=csv -l 2 > "$OUT/gpu_clocks-$what-$$.csv" 2>&1 &
+  clocks_pid=$!
+fi
+finish() {
+  [[ -n $clocks_pid ]] && kill "$clocks_pid" 2> /dev/null && wait "$clocks_pid" 2> /dev/null
+  pack_logs
+}
+trap finish EXIT
 # The call's deadline (bash's SECONDS counts from the script's start) and a command bounded by it.
 deadline=$((SECONDS + ${CALL_S:-540}))
 bounded() {  # bounded RESERVE CMD...: CMD under timeout, given the call's time left less RESERVE seconds
