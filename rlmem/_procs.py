@@ -25,10 +25,13 @@ import time
 from typing import Any
 
 STACKS_SIGNAL = signal.SIGUSR1
-
-
 STACKS_DIR_ENV = "RLMEM_STACKS_DIR"
 _STACK_DIRS: dict[int, str] = {}  # launcher pid -> the directory its tree writes its stacks to
+
+
+def _stack_file(where: str, pid: int) -> str:
+    """Where process ``pid`` of a tree :func:`launch` started writes its stacks."""
+    return os.path.join(where, f"stacks-{pid}.txt")
 
 
 def dump_stacks_on_signal() -> None:
@@ -42,7 +45,7 @@ def dump_stacks_on_signal() -> None:
         where, out = os.environ.get(STACKS_DIR_ENV), sys.__stderr__
         if where:  # faulthandler keeps the file (and its descriptor) for as long as the handler is registered
             with contextlib.suppress(OSError):  # the directory gone (its launcher ended): stderr
-                out = open(os.path.join(where, f"stacks-{os.getpid()}.txt"), "w")  # noqa: SIM115
+                out = open(_stack_file(where, os.getpid()), "w")  # noqa: SIM115
         faulthandler.register(STACKS_SIGNAL, file=out, all_threads=True, chain=False)
 
 
@@ -88,9 +91,8 @@ def _stacks(where: str, pids: list[int], labels: dict[int, str]) -> str:
     """Each process's stack file in ``where`` that holds anything, under its label."""
     out = []
     for pid in pids:
-        path = os.path.join(where, f"stacks-{pid}.txt")
         try:
-            with open(path, errors="replace") as f:
+            with open(_stack_file(where, pid), errors="replace") as f:
                 text = f.read()
         except OSError:
             continue

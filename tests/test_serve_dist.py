@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers import gpu_worlds, run_launcher
+from _helpers import gpu_worlds, run_launcher, shared_server_argv
 
 from rlmem._procs import stop_tree
 
@@ -67,22 +67,13 @@ def test_a_server_per_gpu_trains_as_the_local_engine(tmp_path, world):
 def test_each_rank_joins_the_running_server_of_its_local_rank(tmp_path):
     # engine_url with {local_rank}: two servers started beforehand (each with its broker), each rank trains
     # through its own, as the local engine does; the servers, not started by the run, are left running.
-    import torch
-
     from rlmem.colocate import Broker
-    from rlmem.recipes.config import GRPOConfig
-    from rlmem.recipes.policy import build_policy
-    from rlmem.recipes.task import CharTokenizer
 
-    model = build_policy(GRPOConfig(), torch.device("cpu"), torch.float32, CharTokenizer().vocab_size, 0)
-    model.config.save_pretrained(tmp_path / "model")
     brokers, servers, socks = [], [], [tmp_path / "s" / f"serve-{r}.sock" for r in range(2)]
     try:
         for r, sock in enumerate(socks):
             brokers.append(Broker(tmp_path / f"b{r}" / "broker.sock").start())
-            argv = [sys.executable, "-m", "rlmem", "serve", str(tmp_path / "model"), "--weights", "shared"]
-            argv += ["--device", "cpu", "--broker", str(brokers[-1].path), "--uds", str(sock)]
-            argv += ["--pad-id", "0", "--eos-id", "2", "--max-len", "64", "--batch-size", "16"]
+            argv = shared_server_argv(tmp_path, brokers[-1], sock)
             with open(tmp_path / f"serve-{r}.log", "w") as log:  # a file: a full pipe would stall it
                 servers.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 120

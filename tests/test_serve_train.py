@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import shared_server_argv
 from safetensors.torch import load_file
 
 from rlmem.colocate import Broker
@@ -96,17 +97,8 @@ def test_a_server_killed_mid_rollout_ends_the_run_with_a_checkpoint(tmp_path, mo
 
 def test_engine_url_trains_through_a_running_server(tmp_path):
     broker = Broker(tmp_path / "b" / "broker.sock").start()
-    cfg_dir = tmp_path / "model"
-    # The server needs the architecture only: that of the tiny policy, saved by a run of zero length.
-    from rlmem.recipes.policy import build_policy
-    from rlmem.recipes.task import CharTokenizer
-
-    model = build_policy(GRPOConfig(), torch.device("cpu"), torch.float32, CharTokenizer().vocab_size, 0)
-    model.config.save_pretrained(cfg_dir)
     sock = tmp_path / "s" / "serve.sock"
-    argv = [sys.executable, "-m", "rlmem", "serve", str(cfg_dir), "--weights", "shared", "--device", "cpu"]
-    argv += ["--broker", str(broker.path), "--uds", str(sock), "--pad-id", "0", "--eos-id", "2"]
-    argv += ["--max-len", "64", "--batch-size", "16"]
+    argv = shared_server_argv(tmp_path, broker, sock)
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
