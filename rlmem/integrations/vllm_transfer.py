@@ -9,10 +9,30 @@ rlmem): :func:`register` adds the backend to vLLM's ``WeightTransferEngineFactor
   socket the trainer serves (:class:`~rlmem.rollout.RemoteEngine` makes it, private to the user) and
   receives the shared weights' layout and the descriptors of their memory (file descriptors passed over the
   socket: no pickle), which it maps once;
-- ``/start_weight_update``, ``/update_weights {"update_info": {"names": [...] | null}}``,
+- ``/start_weight_update``, ``/update_weights {"update_info": {"names": [...] | null, "partial": bool}}``,
   ``/finish_weight_update``: vLLM's layerwise reload around ``model.load_weights`` over the mapped views (all
   names, or those given), as its own IPC backend loads; a sync is one pass over memory the two processes
-  share, on the device on a GPU.
+  share, on the device on a GPU;
+- ``/update_weights {"update_info": {"action": "verify", "names": ...}}`` (a session of its own, after the
+  load's): what the model holds compared with what loading the shared weights gives
+  (:func:`rlmem.integrations._weight_check.shadow_verify`); differences raise, naming the parameters.
+
+What vLLM's own reload does not do, this backend does (vLLM 0.32's code, ``model_executor/model_loader/``):
+
+- **The update is checked before anything is loaded.** ``reload/layerwise.py`` puts every layer on the meta
+  device at ``start_weight_update`` and loads what comes: a weight larger than the model's is narrowed
+  silently (``parameter.py``, ``load_column_parallel_weight``), a partial set leaves layers old, and any
+  exception leaves meta tensors in the model (its next request kills the engine core) and buffered weights
+  that the next update replays. Here the whole update is checked against the checkpoint the server loaded
+  (its safetensors headers: names, shapes, dtypes; the set complete unless ``partial``; a tied pair
+  consistent) before the reload starts; a refused update changes nothing. An exception while loading puts
+  every layer's own tensors back and forgets what was buffered.
+- **A tied ``lm_head`` follows its embedding.** The reload processes each layer that loaded weights; a tied
+  ``lm_head`` loads none (``load_weights`` skips it), so what its quantization method made at load time stays
+  (``reload/__init__.py``, limitation 2). On the CPU that is a packed copy of the old weight
+  (``vocab_parallel_embedding.py`` -> ``layers/utils.py`` ``dispatch_cpu_unquantized_gemm``): after every
+  update it is made again here. On a GPU the same method does nothing and the head reads the embedding's
+  parameter, which the reload updated in place: the same call, a no-op there.
 
 ``RemoteEngine(flavor="vllm").update_weights(weights)`` drives these calls. Where rlmem cannot be installed in
 the server's environment, ``update_weights(weights, backend="ipc")`` speaks vLLM's own ``ipc`` backend instead
@@ -21,7 +41,11 @@ the server's environment, ``update_weights(weights, backend="ipc")`` speaks vLLM
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,8 +57,13 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..colocate import wire
 from ..colocate.weights import AttachedWeights, attach_weights
+from ._weight_check import Manifest, check_update, read_manifest, shadow_verify
 
 NAME = "rlmem"
+ACTIONS = ("load", "verify")
+_PROBE_COLUMNS = 8  # one-hot rows per packed weight: its first and last input column and six others
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,9 +76,12 @@ class RLMemInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class RLMemUpdateInfo(WeightTransferUpdateInfo):
-    """The names to load (None: every shared weight)."""
+    """The names to load (None: every shared weight); ``partial``: a subset of the model's weights is
+    meant; ``action``: ``"load"``, or ``"verify"`` (compare what the model holds with the shared weights)."""
 
     names: list[str] | None = None
+    partial: bool = False
+    action: str = "load"
 
 
 class RLMemWeightTransferEngine(WeightTransferEngine[RLMemInitInfo, RLMemUpdateInfo]):
@@ -61,45 +93,263 @@ class RLMemWeightTransferEngine(WeightTransferEngine[RLMemInitInfo, RLMemUpdateI
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.attached: AttachedWeights | None = None
+        self.manifest: Manifest | None = None
+        self._manifest_read = False
+        self._loading = False  # a layerwise reload is open on the model
+        self._socket: str | None = None
+        self._timeout = 10.0
 
     def init_transfer_engine(self, init_info: RLMemInitInfo) -> None:
         sock = wire.connect(init_info.socket, timeout=init_info.timeout)
         try:
             wire.check_peer(sock)  # the trainer's process, of this user
+            wire.send(sock, {"op": "attach"})
             msg, fds = wire.recv(sock, timeout=init_info.timeout)
         finally:
             sock.close()
+        self._socket, self._timeout = init_info.socket, init_info.timeout
         if self.attached is not None:
             self.attached.close()
         self.attached = attach_weights(msg["spec"], fds)
+        if not self._manifest_read:
+            self.manifest = read_manifest(Path(str(self.model_config.model)))
+            self._manifest_read = True
+            if self.manifest is None:
+                log.warning(
+                    "rlmem weight transfer: no safetensors checkpoint at %s: updates are not checked "
+                    "against it (names, shapes, completeness) before loading",
+                    self.model_config.model,
+                )
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
+        # The layerwise reload starts once the update is known good (receive_weights): started here, a
+        # refused update would leave the model on the meta device.
+        self._loading = False
 
     def receive_weights(self, update_info: RLMemUpdateInfo) -> None:
         if self.attached is None:
             raise RuntimeError("rlmem weight transfer: init_weight_transfer_engine was not called")
+        if update_info.action not in ACTIONS:
+            raise ValueError(
+                f"rlmem weight transfer: action must be one of {ACTIONS}, got {update_info.action!r}"
+            )
         views = self.attached.tensors
-        names = list(views) if update_info.names is None else update_info.names
+        names = list(views) if update_info.names is None else list(update_info.names)
         unknown = [n for n in names if n not in views]
         if unknown:
             raise ValueError(f"rlmem weight transfer: no shared weight named {unknown[0]!r}")
+        if update_info.action == "verify":
+            try:
+                took = self.verify(names)
+            except RuntimeError as e:
+                self._report({"action": "verify", "error": str(e)})
+                raise
+            self._report({"action": "verify", "verified": len(names), "seconds": took})
+            return
+        sent = {n: views[n] for n in names}
+        if self.manifest is not None:
+            try:
+                check_update(self.manifest, sent, partial=bool(update_info.partial), tied=self.tied())
+            except ValueError as e:
+                self._report({"action": "load", "error": str(e)})
+                raise
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        with disable_mtp_completeness_check(), torch.no_grad():
-            self.model.load_weights((n, views[n]) for n in names)
+        initialize_layerwise_reload(self.model)
+        self._loading = True
+        try:
+            with disable_mtp_completeness_check(), torch.no_grad():
+                self.model.load_weights(iter(sent.items()))
+        except BaseException as e:
+            self._abandon()
+            self._report(
+                {
+                    "action": "load",
+                    "error": f"loading failed half way ({e!r}); the layers that "
+                    "loaded before it hold the new weights, the others their old ones",
+                }
+            )
+            raise
 
     def finish_weight_update(self) -> None:
+        if not self._loading:
+            return
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        self._loading = False
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException:
+            self._abandon()
+            raise
+        self._reprocess_tied()
 
     def shutdown(self) -> None:
         if self.attached is not None:
             self.attached.close()
             self.attached = None
+
+    def _report(self, report: dict[str, Any]) -> None:
+        """Tell the trainer (its Handout) what became of the update: vLLM's answer to a failed call carries
+        no reason. Best effort: a trainer gone away must not fail the worker."""
+        if self._socket is None:
+            return
+        rank = int(getattr(self.parallel_config, "rank", 0) or 0)
+        try:
+            sock = wire.connect(self._socket, timeout=self._timeout)
+            try:
+                wire.send(sock, {"op": "report", "report": {**report, "rank": rank}})
+            finally:
+                sock.close()
+        except (OSError, ValueError) as e:
+            log.warning("rlmem weight transfer: could not report to the trainer: %s", e)
+
+    # -- what vLLM's reload leaves to its callers ---------------------------------------------------------
+    def tied(self) -> dict[str, str]:
+        """``{name: the name it follows}`` of the parameters two modules of the model share (a tied
+        ``lm_head.weight`` -> ``model.embed_tokens.weight``), by the modules' names."""
+        first: dict[int, str] = {}
+        out: dict[str, str] = {}
+        for mod_name, mod in self.model.named_modules():
+            for pname, p in mod._parameters.items():
+                if p is None:
+                    continue
+                full = f"{mod_name}.{pname}" if mod_name else pname
+                if id(p) in first:
+                    out[full] = first[id(p)]
+                else:
+                    first[id(p)] = full
+        return out
+
+    def _tied_modules(self) -> list[torch.nn.Module]:
+        """Each module whose weight is another module's (earlier in the model), once."""
+        seen: set[int] = set()
+        out = []
+        for mod in self.model.modules():
+            w = mod._parameters.get("weight")
+            if w is None:
+                continue
+            if id(w) in seen:
+                out.append(mod)
+            seen.add(id(w))
+        return out
+
+    def _reprocess_tied(self) -> None:
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        for mod in self._tied_modules():
+            method = getattr(mod, "quant_method", None)
+            # unquantized only: what it makes is a function of the weight alone, so making it again is
+            # what a load would have made (a quantized method's processing is not known to be repeatable)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(mod)
+
+    def _abandon(self) -> None:
+        """A load that failed half way: every layer gets its own tensors back (those a finished layer
+        already updated keep the new values), and nothing stays buffered for the next update."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _place_kernel_tensors
+
+        self._loading = False
+        for layer in self.model.modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is None or not info.can_load():
+                continue
+            if info.kernel_tensors is not None:
+                _place_kernel_tensors(layer, info)
+            info.reset()
+        if hasattr(self.model, "_original_do_torchao_reload"):
+            self.model._do_torchao_reload = self.model._original_do_torchao_reload
+
+    def verify(self, names: list[str]) -> float:
+        """Compare what the model holds with loading ``names`` from the shared weights again (into
+        shadows, one decoder layer at a time), bit for bit; the seconds it took.
+
+        Raises:
+            RuntimeError: naming the parameters that differ.
+        """
+        from vllm.distributed.weight_transfer.base import layerwise_groups
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        assert self.attached is not None
+        t0 = time.perf_counter()
+        views = self.attached.tensors
+        groups = [[(n, views[n]) for n in g] for g in layerwise_groups(names)]
+        params = dict(self.model.named_parameters())
+
+        def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> Any:
+            with disable_mtp_completeness_check():
+                return self.model.load_weights(pairs)
+
+        differ = shadow_verify(
+            params,
+            load,
+            groups,
+            default_loader=default_weight_loader,
+            template=self._as_loaded,
+            probe=self._probe_packed,
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - t0
+        log.info("rlmem weight transfer: verified %d weights in %.3f s", len(names), took)
+        if differ:
+            more = f" and {len(differ) - 8} more" if len(differ) > 8 else ""
+            raise RuntimeError(
+                f"rlmem weight transfer: after the update {len(differ)} parameters of the served model "
+                f"differ from the shared weights: {', '.join(differ[:8])}{more}"
+            )
+        return took
+
+    def _as_loaded(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The parameter as it was when loaded: vLLM's CPU backend replaces a linear layer's weight by an
+        empty one once it has packed it; the reload's records (meta tensors) keep its shape, class and
+        loader."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        if param.numel() > 0:
+            return param
+        mod_name, _, pname = name.rpartition(".")
+        layer = self.model.get_submodule(mod_name) if mod_name else self.model
+        info = LAYERWISE_INFO.get(layer)
+        meta = None if info is None else info.restore_metadata[0].get(pname)
+        if meta is None:
+            return param
+        from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+
+        like = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+        like.__class__ = meta.__class__
+        like.__dict__ = meta.__dict__.copy()
+        # the reload wraps the loaders of these records (online_process_loader): the original loads
+        like.weight_loader = _get_original_loader(meta)  # type: ignore[attr-defined]
+        return like
+
+    def _probe_packed(self, shadows: dict[int, torch.Tensor]) -> list[str]:
+        """Layers that multiply by a packed copy of their weight (vLLM's CPU backend: ``cpu_linear``): one-hot
+        rows through it give columns of the weight it holds, exactly (each output is one product by 1 plus
+        zeros); compared with the shadow's columns where the shadow was loaded."""
+        differ = []
+        for mod_name, mod in self.model.named_modules():
+            w = mod._parameters.get("weight")
+            fn = getattr(mod, "cpu_linear", None)
+            if w is None or fn is None or id(w) not in shadows:
+                continue
+            want = shadows[id(w)]
+            if want.ndim != 2:
+                continue
+            k = want.shape[1]
+            gen = torch.Generator().manual_seed(k)
+            cols = sorted({0, k - 1, *torch.randint(0, k, (_PROBE_COLUMNS - 2,), generator=gen).tolist()})
+            x = torch.zeros(len(cols), k, dtype=want.dtype, device=want.device)
+            x[torch.arange(len(cols)), torch.tensor(cols)] = 1
+            with torch.no_grad():
+                got = fn(x, w, None)
+            ref = want[:, cols].t()
+            loaded = ~torch.isnan(ref) if ref.is_floating_point() else torch.ones_like(ref, dtype=torch.bool)
+            if got.shape != ref.shape or not torch.equal(got[loaded].to(ref.dtype), ref[loaded]):
+                differ.append(f"{mod_name}.weight (its packed copy)")
+        return differ
 
 
 def register() -> None:
