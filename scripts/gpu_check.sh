@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu|server-gpus|comm-gpus|tests-gpus|megatron-4] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-verify|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu|server-gpus|comm-gpus|tests-gpus|megatron-4] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -204,6 +204,7 @@ if [[ $what == train-real ]]; then
   assets=/tmp/rlmem-assets
   python3 scripts/tiny_assets.py "$assets" 2>&1 | tee "$OUT/train_assets.log"
   for prec in bf16-mixed fp16-mixed; do
+    rm -rf "/tmp/rlmem-train-$prec"  # an earlier call's run there, with other keys, would refuse this one
     python3 -m rlmem train model="${TRAIN_MODEL:-qwen2-1.5b}" tokenizer="$assets/tokenizer" data="$assets/arith.jsonl" \
       reward=math steps=3 prompts_per_step=16 group_size=4 max_new_tokens=32 micro_batch_size=16 offload=true \
       precision=$prec save_every=0 progress=false plot=false out_dir="/tmp/rlmem-train-$prec" "$@" \
@@ -245,6 +246,11 @@ if [[ $what == all || $what == bench || $what == bench-rollout ]]; then
   [[ -f bench/results/rollout-$name.json ]] && cp "bench/results/rollout-$name.json" "$OUT/"
   python3 -m rlmem bench rollout --machine "$name" --json "$OUT/rollout-$name.json" "${extra[@]}" \
     2>&1 | tee "$OUT/bench_rollout.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == all || $what == bench || $what == bench-verify ]]; then
+  # the weight update's verification without vLLM (rlmem/benchmarks/verify.py), bf16 and fp32
+  python3 -m rlmem bench verify --machine "$name" --json "$OUT/verify-$name.json" 2>&1 | tee "$OUT/bench_verify.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == bench-vmm ]]; then
@@ -297,6 +303,7 @@ if [[ $what == grpo-dist ]]; then
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   fi
   for comms in keep suspend; do
+    rm -rf "/tmp/rlmem-grpo-dist-$comms"  # an earlier call's run: its keys may differ, its summary is stale
     # each run bounded by the call's time left (less what the other run and the JSON need)
     bounded $([[ $comms == keep ]] && echo "${GRPO_DIST_SUSPEND_S:-120}" || echo 20) \
       python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" -m rlmem train \

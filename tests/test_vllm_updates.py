@@ -33,7 +33,9 @@ from rlmem.rollout.http_engine import RemoteEngine  # noqa: E402
 PROMPTS = ["What is 1+2? Put the answer in \\boxed{}.", "What is 40+2?", "What is 17+25?"]
 NEW = 8
 # vLLM's CPU attention takes head dimensions from 32 up
-HEADS = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+HEADS = dict(
+    hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1, head_dim=64
+)
 MODELS = {
     # tied, as Qwen3-0.6B/1.7B/4B ship
     "qwen3-tied": ("qwen3", dict(HEADS, tie_word_embeddings=True)),
@@ -88,7 +90,7 @@ def served(request, tmp_path_factory):
     extra += ("--logits-processors", "_vllm_hold:Hold")
     # vLLM 0.32 starts its structured-decisions API for Qwen3 by encoding label words, which this tiny
     # tokenizer (trained on sums) cannot: an IndexError at start. Logits as logprobs turn that API off
-    # (entrypoints/generate/structured_decisions/strategies.py, select_read_strategy); nothing here reads them.
+    # (entrypoints/generate/structured_decisions/strategies.py, select_read_strategy); none is read here.
     extra += ("--logprobs-mode", "raw_logits")
     server = Server(python, model, d / "vllm.log", *extra, path=plugins)
     engine = RemoteEngine(server.url, flavor="vllm", timeout=120.0, control_timeout=60.0)
@@ -151,19 +153,19 @@ def _bad_updates(named: dict[str, torch.Tensor], tied: bool) -> dict[str, tuple[
     partial = {n: t for n, t in named.items() if ".layers.1." not in n}
     unknown = dict(named, **{"model.layers.0.mlp.extra.weight": torch.zeros(4, 4)})
     out = {
-        "larger": (
-            big,
+        "larger": (big, {}, f"'{name}' was given with shape {list(big[name].shape)}, the model of the vllm"),
+        "transposed": (flipped, {}, f"'{name}' was given with shape {list(w.t().shape)}"),
+        "partial": (partial, {}, "tensors of the model of the vllm server"),
+        "unknown": (
+            unknown,
             {},
-            f"{name} has shape {list(big[name].shape)}, the server's model takes {list(w.shape)}",
+            "'model.layers.0.mlp.extra.weight' is not a tensor of the model of the vllm",
         ),
-        "transposed": (flipped, {}, f"{name} has shape {list(w.t().shape)}"),
-        "partial": (partial, {}, "the update lacks model.layers.1."),
-        "unknown": (unknown, {}, "model.layers.0.mlp.extra.weight is not a weight of the server's model"),
         "names-unknown": (named, {"names": ["nope.weight"]}, "names: not in the shared weights"),
     }
     if tied:
         odd = dict(named, **{"lm_head.weight": named["model.embed_tokens.weight"] + 1})
-        out["tied-differs"] = (odd, {}, "lm_head.weight is tied to model.embed_tokens.weight on the server")
+        out["tied-differs"] = (odd, {}, "its lm_head is tied to the embedding")
     return out
 
 

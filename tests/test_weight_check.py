@@ -11,85 +11,79 @@ import pytest
 import torch
 
 from rlmem.benchmarks.verify import TINY, StackedLayout, _whole_loader, hf_shapes, layer_groups
-from rlmem.integrations._weight_check import check_update, read_manifest, shadow_verify
+from rlmem.colocate.weight_check import Checkpoint, check_update, read_checkpoint, shadow_verify
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_the_manifest_is_what_the_checkpoint_holds(tmp_path, tied):
+def test_the_checkpoint_is_what_it_holds(tmp_path, tied):
     cfg = transformers.Qwen3Config(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied,
     )  # fmt: skip
     model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(str(tmp_path))
-    got = read_manifest(tmp_path)
-    want = {n: (tuple(p.shape), p.dtype) for n, p in model.state_dict().items()}
+    got = read_checkpoint(str(tmp_path))
+    want = {n: (tuple(p.shape), "BF16") for n, p in model.state_dict().items()}
     if tied:  # saved once, under the embedding's name
         want.pop("lm_head.weight")
-    assert got == want
-    assert read_manifest(tmp_path / "nothing") is None
+    assert got.tensors == want and got.tied is tied and got.path == str(tmp_path)
+    with pytest.raises(LookupError, match="neither a directory here nor"):
+        read_checkpoint(str(tmp_path / "nothing"))
     (tmp_path / "empty").mkdir()
-    assert read_manifest(tmp_path / "empty") is None
-
-
-def test_a_sharded_checkpoint_is_read_through_its_index(tmp_path):
-    from safetensors.torch import save_file
-
-    save_file({"a.weight": torch.zeros(2, 3)}, str(tmp_path / "s1.safetensors"))
-    save_file({"b.weight": torch.zeros(4, dtype=torch.float16)}, str(tmp_path / "s2.safetensors"))
-    (tmp_path / "stray.safetensors").write_bytes(b"\x00" * 16)  # not in the index: not read
-    index = {"weight_map": {"a.weight": "s1.safetensors", "b.weight": "s2.safetensors"}}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert read_manifest(tmp_path) == {"a.weight": ((2, 3), torch.float32), "b.weight": ((4,), torch.float16)}
+    with pytest.raises(LookupError, match="has no safetensors files"):
+        read_checkpoint(str(tmp_path / "empty"))
 
 
 DOWN0, DOWN1 = "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"
 STEPS, HEAD, EMBED = "model.layers.0.steps", "lm_head.weight", "model.embed_tokens.weight"
-MANIFEST = {
-    "model.embed_tokens.weight": ((8, 4), torch.bfloat16),
-    "model.layers.0.mlp.down_proj.weight": ((4, 6), torch.bfloat16),
-    "model.layers.0.mlp.up_proj.weight": ((6, 4), torch.bfloat16),
-    "model.layers.1.mlp.down_proj.weight": ((4, 6), torch.bfloat16),
-    "model.norm.weight": ((4,), torch.bfloat16),
-    "model.layers.0.steps": ((1,), torch.int64),
+TENSORS = {
+    EMBED: ((8, 4), "BF16"),
+    DOWN0: ((4, 6), "BF16"),
+    "model.layers.0.mlp.up_proj.weight": ((6, 4), "BF16"),
+    DOWN1: ((4, 6), "BF16"),
+    "model.norm.weight": ((4,), "BF16"),
+    STEPS: ((1,), "I64"),
+    "model.rotary_emb.inv_freq": ((2,), "F32"),  # in old checkpoints, skipped by the models' loaders
 }
-TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+CKPT = Checkpoint("/ckpt", TENSORS, tied=True)
 
 
 def _sent(**change):
     out = {
-        n: torch.ones(s, dtype=torch.float32 if d.is_floating_point else d) for n, (s, d) in MANIFEST.items()
+        n: torch.ones(s, dtype=torch.int64 if d == "I64" else torch.float32) for n, (s, d) in TENSORS.items()
     }
+    out.pop("model.rotary_emb.inv_freq")
     out.update(change)
-    return {n: t for n, t in out.items() if t is not None}
+    return [(n, t) for n, t in out.items() if t is not None]
 
 
 def test_a_good_update_passes_with_casts_where_the_loader_casts():
-    check_update(MANIFEST, _sent(), tied=TIED)  # float32 into bfloat16: a cast, as loading does
-    check_update(MANIFEST, _sent(**{"lm_head.weight": torch.ones(8, 4)}), tied=TIED)  # equal to its embedding
-    partial = {"model.norm.weight": torch.ones(4)}
-    check_update(MANIFEST, partial, partial=True, tied=TIED)
+    check_update(_sent(), CKPT, False, "the server")  # float32 into bfloat16: a cast, as loading does
+    check_update(_sent(**{HEAD: torch.ones(8, 4)}), CKPT, False, "the server")  # equal to its embedding
+    check_update([("model.norm.weight", torch.ones(4))], CKPT, True, "the server")
 
 
 @pytest.mark.parametrize(
     "change, partial, words",
     [
-        ({DOWN0: torch.ones(4, 8)}, False, f"{DOWN0} has shape [4, 8], the server's model takes [4, 6]"),
-        ({DOWN0: torch.ones(6, 4)}, False, f"{DOWN0} has shape [6, 4]"),
-        ({DOWN1: None}, False, f"lacks {DOWN1}"),
-        ({"model.layers.9.mlp.x.weight": torch.ones(1)}, True, "model.layers.9.mlp.x.weight is not a weight"),
-        ({STEPS: torch.ones(1)}, False, "has dtype torch.float32, the server's model takes torch.int64"),
-        ({HEAD: torch.full((8, 4), 2.0)}, False, f"{HEAD} is tied to {EMBED} on the server"),
-        ({HEAD: torch.ones(8, 4), EMBED: None}, True, f"ignores it: send {EMBED} instead"),
+        ({DOWN0: torch.ones(4, 8)}, False, f"'{DOWN0}' was given with shape [4, 8], the model of the server"),
+        ({DOWN0: torch.ones(6, 4)}, False, "was given with shape [6, 4]"),
+        ({DOWN1: None}, False, "1 of the 7 tensors of the model of the server (its checkpoint /ckpt)"),
+        ({"model.layers.9.x.weight": torch.ones(1)}, True, "'model.layers.9.x.weight' is not a tensor"),
+        ({STEPS: torch.ones(1)}, False, f"'{STEPS}' was given as torch.float32, the model of the server"),
+        ({HEAD: torch.full((8, 4), 2.0)}, False, "its lm_head is tied to the embedding"),
+        ({HEAD: torch.ones(8, 4), EMBED: None}, True, "its lm_head is tied to the embedding"),
     ],
     ids=["larger", "transposed", "incomplete", "unknown", "int-as-float", "tied-differs", "tied-alone"],
 )  # fmt: skip
 def test_a_bad_update_is_refused_naming_the_parameter(change, partial, words):
-    with pytest.raises(ValueError, match="weight update refused, nothing loaded") as e:
-        check_update(MANIFEST, _sent(**change), partial=partial, tied=TIED)
+    with pytest.raises(ValueError, match="nothing was loaded") as e:
+        check_update(_sent(**change), CKPT, partial, "the server")
     assert words in str(e.value)
+    with pytest.raises(ValueError, match="is given twice"):
+        check_update([*_sent(), (DOWN0, torch.ones(4, 6))], CKPT, False, "the server")
 
 
 def _served(dtype=torch.float32):

@@ -4,7 +4,7 @@ The served model's weights are laid out as vLLM lays out a Qwen2's (q, k and v s
 gate and up in one ``gate_up_proj``, each loaded through a ``weight_loader`` into its rows), on the device;
 the shared weights are the Hugging Face tensors of the same model beside them. The load (one copy of every
 byte into its place, what an update does) is timed against the verification
-(:func:`rlmem.integrations._weight_check.shadow_verify`: every byte loaded again into a shadow, one decoder
+(:func:`rlmem.colocate.weight_check.shadow_verify`: every byte loaded again into a shadow, one decoder
 layer at a time, and compared with the parameter), and a parameter changed by one element must be found.
 Writes bench/results/verify-<machine>.json: ``rlmem bench verify --machine nvidia-h200``.
 """
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..integrations._weight_check import shadow_verify
+from ..colocate.weight_check import shadow_verify
 from ..plan.presets import QWEN2
 from ._common import format_table, median
 from ._harness import Run
@@ -175,12 +175,28 @@ def measure(cfg: dict[str, Any], dtype: torch.dtype, device: torch.device, repea
 def main(argv: list[str] | None = None) -> int:
     run = Run(NAME, __doc__.splitlines()[0], TARGETS)
     run.parser.add_argument("--preset", default="qwen2-2.5b", choices=[*QWEN2, "tiny"])
-    run.parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    run.parser.add_argument(
+        "--dtypes", default="bfloat16,float32", help="comma-separated; the summary: the first"
+    )
     run.parser.add_argument("--repeats", type=int, default=3)
     args = run.parse(argv)
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    bad = [d for d in dtypes if d not in ("bfloat16", "float32")]
+    if bad or not dtypes:
+        run.parser.error(f"--dtypes: bfloat16 and/or float32, got {args.dtypes!r}")
     cfg = TINY if args.preset == "tiny" else QWEN2[args.preset]
-    row = {"preset": args.preset, "dtype": args.dtype}
-    row |= measure(cfg, getattr(torch, args.dtype), run.device, args.repeats)
+    rows = []
+    for dt in dtypes:
+        row = {
+            "preset": args.preset,
+            "dtype": dt,
+            **measure(cfg, getattr(torch, dt), run.device, args.repeats),
+        }
+        rows.append(row)
+        print(
+            f"{dt}: {row['gib']:.2f} GiB, load {row['load_s']:.4f} s, verify {row['verify_s']:.4f} s",
+            flush=True,
+        )
     cols = [
         ("preset", "preset", ""),
         ("dtype", "dtype", ""),
@@ -189,12 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     cols += [("verify_s", "verify s", ".4f"), ("verify_s_per_gib", "verify s/GiB", ".4f")]
     cols += [("verify_vs_load", "verify/load", ".2f"), ("detects_one_element", "finds 1 element", "")]
-    print(format_table([row], cols))
-    summary = {k: row[k] for k in ("verify_s_per_gib", "verify_vs_load", "load_gbps", "gib")}
-    summary["detects_one_element"] = float(row["detects_one_element"])
-    run.finish(
-        summary, config={"preset": args.preset, "dtype": args.dtype, "repeats": args.repeats}, rows=[row]
-    )
+    print(format_table(rows, cols))
+    first = rows[0]
+    summary = {k: first[k] for k in ("verify_s_per_gib", "verify_vs_load", "load_gbps", "gib")}
+    summary["detects_one_element"] = float(all(r["detects_one_element"] for r in rows))
+    run.finish(summary, config={"preset": args.preset, "dtypes": dtypes, "repeats": args.repeats}, rows=rows)
     return 0
 
 

@@ -41,11 +41,11 @@ the server's environment, ``update_weights(weights, backend="ipc")`` speaks vLLM
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,8 +56,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..colocate import wire
+from ..colocate.weight_check import Checkpoint, check_update, read_checkpoint, shadow_verify
 from ..colocate.weights import AttachedWeights, attach_weights
-from ._weight_check import Manifest, check_update, read_manifest, shadow_verify
 
 NAME = "rlmem"
 ACTIONS = ("load", "verify")
@@ -93,10 +93,11 @@ class RLMemWeightTransferEngine(WeightTransferEngine[RLMemInitInfo, RLMemUpdateI
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.attached: AttachedWeights | None = None
-        self.manifest: Manifest | None = None
-        self._manifest_read = False
+        self.checkpoint: Checkpoint | None = None  # what the server loaded: updates are checked against it
+        self._checkpoint_read = False
         self._loading = False  # a layerwise reload is open on the model
         self._socket: str | None = None
+        self._hf_meta: Any = None  # transformers' model of the served one on the meta device (False: none)
         self._timeout = 10.0
 
     def init_transfer_engine(self, init_info: RLMemInitInfo) -> None:
@@ -111,14 +112,19 @@ class RLMemWeightTransferEngine(WeightTransferEngine[RLMemInitInfo, RLMemUpdateI
         if self.attached is not None:
             self.attached.close()
         self.attached = attach_weights(msg["spec"], fds)
-        if not self._manifest_read:
-            self.manifest = read_manifest(Path(str(self.model_config.model)))
-            self._manifest_read = True
-            if self.manifest is None:
+        if not self._checkpoint_read:
+            self._checkpoint_read = True
+            where = {"revision": getattr(self.model_config, "revision", None)}
+            where["download_dir"] = getattr(
+                getattr(self.vllm_config, "load_config", None), "download_dir", None
+            )
+            try:
+                self.checkpoint = read_checkpoint(str(self.model_config.model), where)
+            except LookupError as e:
                 log.warning(
-                    "rlmem weight transfer: no safetensors checkpoint at %s: updates are not checked "
-                    "against it (names, shapes, completeness) before loading",
-                    self.model_config.model,
+                    "rlmem weight transfer: updates are not checked before loading (names, shapes, "
+                    "completeness): the checkpoint the server loaded cannot be read here: %s",
+                    e,
                 )
 
     def start_weight_update(self) -> None:
@@ -146,10 +152,12 @@ class RLMemWeightTransferEngine(WeightTransferEngine[RLMemInitInfo, RLMemUpdateI
                 raise
             self._report({"action": "verify", "verified": len(names), "seconds": took})
             return
-        sent = {n: views[n] for n in names}
-        if self.manifest is not None:
+        if self.checkpoint is not None:
             try:
-                check_update(self.manifest, sent, partial=bool(update_info.partial), tied=self.tied())
+                # shapes only where a layout is converted (no bytes moved to check them)
+                sent = [p for g in self.checkpoint_groups(names, meta=True) for p in g]
+                partial = bool(update_info.partial)
+                check_update(sent, self.checkpoint, partial, "the vllm server", "weight update")
             except ValueError as e:
                 self._report({"action": "load", "error": str(e)})
                 raise
@@ -160,7 +168,7 @@ class RLMemWeightTransferEngine(WeightTransferEngine[RLMemInitInfo, RLMemUpdateI
         self._loading = True
         try:
             with disable_mtp_completeness_check(), torch.no_grad():
-                self.model.load_weights(iter(sent.items()))
+                self.model.load_weights(itertools.chain.from_iterable(self.checkpoint_groups(names)))
         except BaseException as e:
             self._abandon()
             self._report(
@@ -190,6 +198,52 @@ class RLMemWeightTransferEngine(WeightTransferEngine[RLMemInitInfo, RLMemUpdateI
             self.attached.close()
             self.attached = None
 
+    def checkpoint_groups(
+        self, names: list[str], *, meta: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The shared weights ``names`` one decoder layer at a time, named and laid out as the checkpoint the
+        server loaded: as they are, or, for a model that transformers holds in another layout than it
+        saves (its experts fused in one tensor since transformers 5, saved one per expert), converted as
+        transformers saves them (its ``revert_weight_conversion``, on a model on the meta device; a fused
+        tensor's pieces are views of it where they can be, else copies of one layer at a time). ``meta``:
+        shapes and dtypes only."""
+        from vllm.distributed.weight_transfer.base import layerwise_groups
+
+        assert self.attached is not None
+        views = self.attached.tensors
+        convert = self._converter(names)
+        for group in layerwise_groups(names):
+            pairs = {n: views[n].to("meta") if meta and convert is not None else views[n] for n in group}
+            if convert is not None:
+                pairs = convert(pairs)
+            yield list(pairs.items())
+
+    def _converter(
+        self, names: list[str]
+    ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+        """transformers' conversion back to the checkpoint's layout, where the names are not the
+        checkpoint's and transformers has one for the model (None otherwise: the names go as they are, and
+        the check names those the model does not have)."""
+        if self.checkpoint is None or all(
+            n in self.checkpoint.tensors or n == "lm_head.weight" for n in names
+        ):
+            return None
+        if self._hf_meta is None:
+            try:
+                from transformers import AutoModelForCausalLM
+
+                with torch.device("meta"):
+                    self._hf_meta = AutoModelForCausalLM.from_config(self.model_config.hf_config)
+            except Exception as e:  # no such class, or a transformers without it: nothing to convert with
+                log.warning("rlmem weight transfer: no transformers model to convert the layout with: %s", e)
+                self._hf_meta = False
+        if self._hf_meta is False:
+            return None
+        from transformers.core_model_loading import revert_weight_conversion
+
+        model = self._hf_meta
+        return lambda pairs: revert_weight_conversion(model, pairs)
+
     def _report(self, report: dict[str, Any]) -> None:
         """Tell the trainer (its Handout) what became of the update: vLLM's answer to a failed call carries
         no reason. Best effort: a trainer gone away must not fail the worker."""
@@ -206,22 +260,6 @@ class RLMemWeightTransferEngine(WeightTransferEngine[RLMemInitInfo, RLMemUpdateI
             log.warning("rlmem weight transfer: could not report to the trainer: %s", e)
 
     # -- what vLLM's reload leaves to its callers ---------------------------------------------------------
-    def tied(self) -> dict[str, str]:
-        """``{name: the name it follows}`` of the parameters two modules of the model share (a tied
-        ``lm_head.weight`` -> ``model.embed_tokens.weight``), by the modules' names."""
-        first: dict[int, str] = {}
-        out: dict[str, str] = {}
-        for mod_name, mod in self.model.named_modules():
-            for pname, p in mod._parameters.items():
-                if p is None:
-                    continue
-                full = f"{mod_name}.{pname}" if mod_name else pname
-                if id(p) in first:
-                    out[full] = first[id(p)]
-                else:
-                    first[id(p)] = full
-        return out
-
     def _tied_modules(self) -> list[torch.nn.Module]:
         """Each module whose weight is another module's (earlier in the model), once."""
         seen: set[int] = set()
@@ -268,14 +306,12 @@ class RLMemWeightTransferEngine(WeightTransferEngine[RLMemInitInfo, RLMemUpdateI
         Raises:
             RuntimeError: naming the parameters that differ.
         """
-        from vllm.distributed.weight_transfer.base import layerwise_groups
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         assert self.attached is not None
         t0 = time.perf_counter()
-        views = self.attached.tensors
-        groups = [[(n, views[n]) for n in g] for g in layerwise_groups(names)]
+        groups = self.checkpoint_groups(names)
         params = dict(self.model.named_parameters())
 
         def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> Any:

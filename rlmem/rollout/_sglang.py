@@ -1,24 +1,55 @@
 """SGLang's side of :class:`~rlmem.rollout.RemoteEngine`: which memory tags a sleep level releases,
-which of them may be resumed, the sampling keys its ``/generate`` takes, and its ``flattened_bucket`` weight
-format.
+which of them may be resumed, the sampling keys its ``/generate`` takes, its ``flattened_bucket`` weight
+format, and the checks that keep a call of the engine from reaching a rule that kills the server.
 
-As SGLang's server behaves (read at sglang ``main`` cf7923615, 2026-08; paths under ``python/sglang/srt``):
+As SGLang 0.5.23 behaves (its PyPI wheel, read; paths under ``sglang/srt``):
 
 - ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` take ``{"tags": [...] | null}`` (null or
-  empty: all of ``kv_cache``, ``weights``, ``cuda_graph``; ``constants.py:2-10``,
-  ``managers/scheduler_components/weight_updater.py:209-210, 251-252``).
-- Resuming a tag that is not released is ``self.offload_tags.remove(tag)`` on a set, a ``KeyError``
-  (``weight_updater.py:254-255``); a release while anything runs or waits fails ``assert
-  self.is_fully_idle()`` (``weight_updater.py:203-205``). Either exception ends the scheduler, which sends
-  SIGQUIT to its parent (``managers/scheduler.py:4957-4960``), whose handler kills the whole server
-  (``managers/tokenizer_manager.py:3753-3762``): the HTTP caller gets no answer. So this client sends a tag's
-  resume only after its own release of it, and a release only after its own generations have ended and the
-  server has flushed its cache (``/flush_cache?timeout=``, which succeeds only once the scheduler is idle).
-- The weights survive a release only on a server started with ``--enable-weights-cpu-backup``, and nothing
-  is given back without ``--enable-memory-saver`` (``server_args.py:3329-3338``); ``GET /server_info`` has
-  both as top-level keys (``entrypoints/http_server.py:771-806``). No endpoint says what is released.
-- ``/health`` runs a one-token generation by default (``http_server.py:646-720``,
-  ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``): not sent while the KV cache is released.
+  empty: all of ``kv_cache``, ``weights``, ``cuda_graph``; ``constants.py:6-10``,
+  ``managers/scheduler_components/weight_updater.py:343-346, 384-387``). Resuming a tag that is not
+  released is ``self.offload_tags.remove(tag)`` on a set, a ``KeyError`` (``weight_updater.py:389-390``); a
+  release asserts ``is_fully_idle(ignore_waiting=<generation paused>)`` (``weight_updater.py:337-341``);
+  with ``--weight-cache-mode`` other than ``off`` a release or resume of the weights raises
+  (``weight_updater.py:293-307, 368-369, 395-396``), as does any weight update
+  (``model_executor/model_runner_components/weight_updater.py:159-171, 353``). Each of these exceptions
+  ends the scheduler, which sends SIGQUIT to its parent (``managers/scheduler.py:6370-6373``), whose handler
+  kills the whole server (``managers/tokenizer_manager.py:2458, 4072-4081``): the HTTP caller gets no
+  answer. No endpoint says what is released (``offload_tags`` is not in ``/server_info``'s
+  ``internal_states``, ``managers/scheduler_components/internal_state.py:45-63``).
+- ``POST /pause_generation {"mode"}``: the tokenizer manager holds every new request until
+  ``/continue_generation`` (``managers/tokenizer_manager.py:938-939, 2267-2286``); ``"retract"`` moves the
+  running requests back to the waiting queue, their KV cache freed and recomputed after the continue
+  (``managers/scheduler.py:5817-5910``; ``"in_place"`` leaves them running, ``"abort"`` ends them), and a
+  paused scheduler runs no batch (``scheduler.py:2033-2035``) and counts only running requests against
+  idleness, for the flush as for the release (``scheduler.py:5337-5360, 5518-5520``). ``GET /ready``
+  answers 503 while paused (``entrypoints/http_server.py:714-718``, ``tokenizer_manager.py:732-734``).
+  0.5.10 has ``/pause_generation`` but no ``/ready`` nor ``/begin_weight_update`` (FastAPI answers 404).
+- ``POST /update_weights_from_tensor`` answers 400 outside a session opened by ``POST
+  /begin_weight_update`` and closed by ``POST /end_weight_update`` (``weight_updater.py:232-239, 309-335``:
+  one session at a time, 400 for a second begin or an end without one; ``http_server.py:1436-1485``). The
+  loaded tensors go to the model's ``load_weights`` with no ``try`` around it
+  (``model_executor/model_runner_components/weight_updater.py:383-413``): a shape its parameter does not
+  have fails ``default_weight_loader``'s ``assert`` (``model_loader/weight_utils.py:1574-1586``, which
+  casts the dtype with ``copy_``) and kills the server; a name the model does not have is skipped with a
+  warning (``models/qwen3.py:753-760``), or fails a stacked parameter's lookup (``qwen3.py:737-746``). No
+  endpoint lists the model's parameters: ``/get_weights_by_name`` answers a parameter's first rows as
+  floats, on the five model classes that define it (``model_runner_components/weight_exporter.py:169-188``,
+  ``models/llama.py:819-890``). So names and shapes are checked against the checkpoint the server loaded,
+  ``GET /model_info``'s ``model_path`` (``http_server.py:812-850``): a directory, or a Hugging Face name
+  resolved as SGLang does (``model_loader/weight_utils.py:621-650``, ``--download-dir``, ``--revision``),
+  its safetensors files filtered by their index (``weight_utils.py:757-790``). ``rotary_emb`` tables in a
+  checkpoint are skipped by the models (``qwen3.py:725-730``), and a tied ``lm_head`` is loaded from the
+  embedding (``qwen3.py:705-712``).
+- ``GET /server_info`` has the server arguments as top-level keys and ``version``
+  (``http_server.py:863-895``, ``utils/common.py:3584-3593``): ``enable_memory_saver`` (without it nothing
+  is given back) and ``enable_weights_cpu_backup`` (without it a release discards the weights,
+  ``arg_groups/fields/exec_.py:58-65``), ``weight_cache_mode`` (``arg_groups/fields/model.py:377-389``),
+  ``tp_size``.
+- ``/health`` runs a one-token generation by default (``http_server.py:721-800``, ``environ.py:344``): not
+  sent while the KV cache is released.
+
+As SGLang's ``main`` behaves (cf7923615, 2026-08; paths under ``python/sglang/srt``):
+
 - ``sampling_params`` is splatted into ``SamplingParams(**kwargs)`` (``managers/tokenizer_manager.py:1339``):
   an unknown key is an error there (``sampling/sampling_params.py:54-82`` lists the keys; the seed is
   ``sampling_seed``). ``n`` samples come back prompt-major (``tokenizer_manager.py:1850-1870``); a completion
@@ -45,6 +76,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from ..colocate.member import RemoteError
+from ..colocate.weight_check import Checkpoint, read_checkpoint
 
 # SGLang's release order (its resume runs them in reverse; each request names them in this order).
 ORDER = ("kv_cache", "weights", "cuda_graph")
@@ -205,3 +239,140 @@ def serialize(obj: Any) -> str:
 def _as_theirs(obj: dict[str, Any], module: types.ModuleType) -> dict[str, Any]:
     cls = module.FlattenedTensorMetadata
     return {**obj, "metadata": [cls(**dataclasses.asdict(m)) for m in obj["metadata"]]}
+
+
+def check_weight_cache(info: Mapping[str, Any], url: str, what: str) -> None:
+    """Refuse ``what`` (a release, resume or update of the weights) on a server whose weight cache is on:
+    its scheduler raises there, and the server dies.
+
+    Raises:
+        ValueError: ``--weight-cache-mode`` is not ``off``.
+    """
+    mode = info.get("weight_cache_mode") or "off"  # absent before the weight cache existed
+    if mode != "off":
+        raise ValueError(
+            f"{what}: the sglang server at {url} runs with --weight-cache-mode {mode}, whose scheduler "
+            "raises on any release, resume or update of the weights (the server then dies); nothing was "
+            "sent. Restart it with --weight-cache-mode off"
+        )
+
+
+class Control:
+    """What a :class:`~rlmem.rollout.RemoteEngine` knows of its SGLang server beyond the protocol's calls,
+    and the calls an older server lacks (FastAPI answers 404 there, which is how they are told apart: a
+    version number says nothing of a build from source): the weight-update session, the pause, ``/ready``.
+    Used under the engine's lock."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.paused = False  # this engine paused the server's generation: held until all is resumed
+        self.sessions: bool | None = None  # the server has /begin_weight_update (None: not asked yet)
+        self._checkpoint: Checkpoint | str | None = None  # read once; a str says why it cannot be
+
+    def _optional(self, path: str, body: Any, wait: float = 0.0) -> bool:
+        """``POST path``: False where the server has no such endpoint (404). ``wait``: what the server may
+        take beyond a control call's time-out.
+
+        Raises:
+            RemoteError: any other error answer. ConnectionError: no answer.
+        """
+        r = self._request("POST", path, wait=wait, json=body)
+        if r.status_code == 404:
+            return False
+        if r.status_code >= 400:
+            raise RemoteError(f"POST {self.engine.url}{path} answered {r.status_code}: {r.text[:500]}")
+        return True
+
+    def _request(self, method: str, path: str, wait: float = 0.0, **kw: Any) -> Any:
+        import httpx
+
+        try:
+            return self.engine._http.request(method, path, timeout=self.engine.control_timeout + wait, **kw)
+        except httpx.HTTPError as e:
+            raise ConnectionError(f"{method} {self.engine.url}{path}: {e}") from e
+
+    def refuse_if_paused_elsewhere(self, what: str) -> None:
+        """Raise if the server's generation is paused and not by this engine: another engine (or this
+        process before a restart) released its memory, and which tags it released no endpoint says.
+
+        Raises:
+            RemoteError: ``GET /ready`` answers 503.
+        """
+        if self.paused:
+            return
+        code = self._request("GET", "/ready").status_code
+        if code == 503:  # 404: a server without /ready (0.5.10), which cannot say
+            raise RemoteError(
+                f"{what}: the sglang server at {self.engine.url} answers GET /ready with 503: paused, and "
+                "not by this engine (another client, or an engine of a process since restarted, may have "
+                "released its memory, and no endpoint says which tags), or still starting. Nothing was "
+                "sent: a resume of a tag not released, or a release over released memory, kills the "
+                "server. Wake it from the engine that put it to sleep (or POST /resume_memory_occupation "
+                "with the tags released, then /continue_generation)"
+            )
+
+    def pause(self) -> None:
+        """Hold every new request at the server and move the running ones back to its queue
+        (``mode="retract"``: nobody's request is lost, and a release then finds the scheduler idle)."""
+        if not self.paused:
+            self.paused = self._optional("/pause_generation", {"mode": "retract"})
+
+    def unpause(self) -> None:
+        """Let the requests held since :meth:`pause` run (a retracted one recomputes its KV cache)."""
+        if self.paused:
+            self._optional("/continue_generation", {})
+            self.paused = False
+
+    def begin(self) -> bool:
+        """Open a weight-update session; False on a server without them (it loads without one).
+
+        Raises:
+            RemoteError: the server refused (one is open already: another client's, or one left by a
+                process that died in it).
+        """
+        if self.sessions is False:
+            return False
+        self.sessions = self._optional("/begin_weight_update", {}, wait=self.generations())
+        return self.sessions
+
+    def generations(self) -> float:
+        """How long the server may wait for the generations in flight before a session call or an update:
+        each takes the tokenizer manager's writer lock (unless paused), which every request holds as a
+        reader to its end (``tokenizer_control_mixin.py:472-483, 580-587``, ``tokenizer_manager.py:941``)."""
+        return 0.0 if self.paused else self.engine.timeout
+
+    def end(self, failed: BaseException | None = None) -> None:
+        """Close the session :meth:`begin` opened; after ``failed``, its own failure goes on that one."""
+        try:
+            self.engine._call("POST", "/end_weight_update", json={}, wait=self.generations())
+        except Exception as e:
+            if failed is None:
+                raise
+            failed.add_note(f"and the weight-update session opened for it could not be ended: {e}")
+
+    def checkpoint(self) -> Checkpoint:
+        """The checkpoint the server loaded (read once).
+
+        Raises:
+            ValueError: it cannot be read here (saying why, and what to do).
+        """
+        if self._checkpoint is None:
+            try:
+                model = self.engine._call("GET", "/model_info")
+                path = model.get("model_path") if isinstance(model, dict) else None
+                if not path:
+                    raise LookupError("its /model_info names no model_path")
+                self._checkpoint = read_checkpoint(str(path), self.engine._sglang_info())
+            except (LookupError, RemoteError, OSError, ValueError) as e:
+                if isinstance(e, ConnectionError):  # no answer: asked again next time
+                    raise
+                self._checkpoint = str(e)
+        if isinstance(self._checkpoint, str):
+            raise ValueError(
+                f"update_weights_from_tensor: the tensors cannot be checked against the sglang server at "
+                f"{self.engine.url}: {self._checkpoint}. SGLang has no endpoint that lists its model's "
+                "parameters, so they are checked against the checkpoint it loaded, and a name or shape its "
+                "model does not have kills its scheduler. Nothing was sent: make that checkpoint readable "
+                "here, or pass check=False to send unchecked"
+            )
+        return self._checkpoint

@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 
-from .._checks import check_choice, check_tags
+from .._checks import check_choice, check_flag, check_tags
 from ..colocate.device import mem_info
 from ..colocate.member import FenceError, Member, RemoteError, fence_bytes
+from ..colocate.weight_check import check_update
 from ..colocate.weights import SharedWeights
 from ..errors import OutOfMemoryError
 from . import _sglang
@@ -46,6 +47,7 @@ from .process_engine import PeerEngine
 __all__ = ["FLAVORS", "RemoteEngine"]
 
 FLAVORS = ("rlmem", "vllm", "sglang")
+PAUSE_MODES = ("wait", "keep")  # vLLM's /pause modes an update may use ("abort" would cut others short)
 _SETTLE_S = 0.05  # free memory unchanged this long: a release with nothing to compare to has ended
 _POLL = 0.002
 
@@ -59,7 +61,12 @@ class RemoteEngine:
         token: sent as ``Authorization: Bearer TOKEN`` (vLLM's ``--api-key``, rlmem's ``--token``).
         model: the model name vLLM's completions endpoint wants (default: the server's first).
         device: the GPU the server shares with this process: ``sleep`` is fenced on its free memory.
-        timeout: seconds for each request, and for each fence.
+        timeout: seconds for each generate request.
+        control_timeout: seconds for each control call (sleep, wake, weight updates, flush, health,
+            pause and resume) and for each fence; default ``min(30, timeout)``. A frozen server fails a
+            control call this fast, whatever a generation may take; a call that asks the server to wait
+            for the generations in flight (vLLM's sleep, an update's ``pause="wait"``) may take a
+            generation's ``timeout`` more.
         member: this process's seat at the broker the server joined (``rlmem serve --broker``): sleep and
             wake go through it (see the module docstring). The rlmem flavor only.
         weights: with ``member``, the rollout copy the server samples from (mapped there, not copied).
@@ -81,10 +88,11 @@ class RemoteEngine:
         model: str | None = None,
         device: str | torch.device | None = None,
         timeout: float = 120.0,
+        control_timeout: float | None = None,
         member: Member | None = None,
         weights: SharedWeights | None = None,
     ) -> None:
-        import httpx  # only where a server is talked to
+        import httpx  # noqa: F401  (only where a server is talked to: missing, it fails here)
 
         if not isinstance(url, str) or not url.startswith(("http://", "https://", "unix:///")):
             raise ValueError(f"url must be http://HOST:PORT, https://... or unix:///PATH, got {url!r}")
@@ -92,20 +100,19 @@ class RemoteEngine:
             raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}, got {flavor!r}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if control_timeout is None:
+            control_timeout = min(30.0, float(timeout))
+        if not (isinstance(control_timeout, (int, float)) and control_timeout > 0):
+            raise ValueError(f"control_timeout must be a positive number of seconds, got {control_timeout!r}")
         if member is not None and flavor != "rlmem":
             raise ValueError(f"member: only rlmem's server joins a broker, not flavor {flavor!r}")
         if weights is not None and member is None:
             raise ValueError("weights are shared through the broker: give member= too")
         self.url, self.flavor, self.model, self.timeout = url.rstrip("/"), flavor, model, float(timeout)
+        self.control_timeout = float(control_timeout)
         self.device = None if device is None else torch.device(device)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        if url.startswith("unix://"):
-            transport = httpx.HTTPTransport(uds=url.removeprefix("unix://"))
-            self._http = httpx.Client(
-                base_url="http://rlmem", headers=headers, timeout=self.timeout, transport=transport
-            )
-        else:
-            self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = self._client()
         self._took: int | None = None  # device bytes the last wake took
         self._released: set[str] = set()  # SGLang: the tags this engine released (it has no such endpoint)
         self._info: dict[str, Any] | None = None  # SGLang's /server_info, read once
@@ -115,6 +122,7 @@ class RemoteEngine:
         # (rlmem's backend) or the exported staging buffer (its ipc backend)
         self._transfer: tuple[Any, Any, SharedWeights] | None = None
         self.last_fence: dict[str, Any] | None = None
+        self.last_update: dict[str, float] | None = None  # update_weights' seconds, by part
         self.peer: PeerEngine | None = None
         if member is not None:
             self.peer = PeerEngine(member, weights=weights, timeout=self.timeout)
@@ -139,15 +147,10 @@ class RemoteEngine:
             # vLLM's /sleep aborts the requests in flight unless told otherwise (mode="abort" by default,
             # vllm/entrypoints/serve/dev/sleep/api_router.py, 0.32): they would come back cut short. "wait"
             # lets them finish first.
-            self._call("POST", "/sleep", params={"level": level, "mode": "wait"})
+            self._call("POST", "/sleep", params={"level": level, "mode": "wait"}, wait=self.timeout)
         elif self.flavor == "sglang":
-            tags = _sglang.release_tags(level, self._sglang_info(), self._released, self.url)
-            if not tags:
+            if not self._sglang_release(level):
                 return
-            # A release while anything runs kills SGLang's scheduler: a flush succeeds only once it is idle.
-            self._call("POST", "/flush_cache", params={"timeout": self.timeout})
-            self._call("POST", "/release_memory_occupation", json={"tags": tags})
-            self._released.update(tags)
         else:
             self._call("POST", "/sleep", json={"level": level})
         if free0 is not None:
@@ -169,11 +172,8 @@ class RemoteEngine:
         if self.flavor == "vllm":
             self._call("POST", "/wake_up", params={"tags": tags} if tags else None)
         elif self.flavor == "sglang":
-            todo = _sglang.resume_tags(tags, self._released)
-            if not todo:
+            if not self._sglang_resume(tags):
                 return
-            self._call("POST", "/resume_memory_occupation", json={"tags": todo})
-            self._released.difference_update(todo)
         else:
             self._call("POST", "/wake", json={"tags": tags})
         if free0 is not None:
@@ -206,6 +206,13 @@ class RemoteEngine:
         if not ids and not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompts must be a list of str, or of token-id lists")
         with self._idle:
+            # SGLang: under the lock a sleep holds from its wait to its release, so no batch of this engine
+            # reaches a scheduler asserting idleness, or running over released memory
+            if self._released:
+                raise RemoteError(
+                    f"sglang server at {self.url} is released ({', '.join(sorted(self._released))}): wake it "
+                    "before generating"
+                )
             self._running += 1
         try:
             return self._generate(prompts, ids, max_new_tokens, temperature, sampling)
@@ -221,24 +228,21 @@ class RemoteEngine:
             return self._vllm_generate(prompts, ids, max_new_tokens, temperature, sampling)
         if self.flavor == "sglang":
             params = _sglang.sampling_params(max_new_tokens, temperature, sampling)
-            if self._released:  # its scheduler would run the batch over released memory
-                raise RemoteError(
-                    f"sglang server at {self.url} is released ({', '.join(sorted(self._released))}): wake it "
-                    "before generating"
-                )
             body: dict[str, Any] = {"sampling_params": params}
             if ids:
                 body["input_ids"] = [[int(t) for t in p] for p in prompts]
             else:
                 body["text"] = list(prompts)
-            outs, cut = _sglang.completions(self._call("POST", "/generate", json=body), ids)
+            out = self._call("POST", "/generate", json=body, timeout=self.timeout)
+            outs, cut = _sglang.completions(out, ids)
             return self._grouped(outs, cut, int(params.get("n", 1)), len(prompts))
         if ids:
             body = {"input_ids": [[int(t) for t in p] for p in prompts], "max_new_tokens": max_new_tokens}
-            out = self._call("POST", "/generate", json={**body, "temperature": temperature, **sampling})
+            body.update(temperature=temperature, **sampling)
+            out = self._call("POST", "/generate", json=body, timeout=self.timeout)
             return [list(o) for o in out["output_ids"]]
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, **sampling}
-        out = self._call("POST", "/generate", json={"prompts": list(prompts), **params})
+        out = self._call("POST", "/generate", json={"prompts": list(prompts), **params}, timeout=self.timeout)
         return list(out["completions"])
 
     def _vllm_generate(
@@ -250,7 +254,7 @@ class RemoteEngine:
         body = {"max_tokens": max_new_tokens, "temperature": temperature, **sampling}
         body["prompt"] = [[int(t) for t in p] for p in prompts] if ids else list(prompts)
         body.update(model=self.model or self._first_model(), **({"return_token_ids": True} if ids else {}))
-        out = self._call("POST", "/v1/completions", json=body)
+        out = self._call("POST", "/v1/completions", json=body, timeout=self.timeout)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         cut = sum(c.get("finish_reason") == "abort" for c in choices)
         outs = [list(c["token_ids"]) if ids else c["text"] for c in choices]
@@ -270,30 +274,35 @@ class RemoteEngine:
             )
         return outs if n == 1 else [outs[i * n : (i + 1) * n] for i in range(prompts)]
 
-    def update_weights_from_tensor(self, named: Any) -> dict[str, Any]:
+    def update_weights_from_tensor(
+        self, named: Any, *, partial: bool = False, check: bool = True
+    ) -> dict[str, Any]:
         """Send ``named`` tensors (a mapping or ``(name, tensor)`` pairs) by handle (CUDA IPC, or shared
         memory on the host): the server copies them into its weights by name before answering, so they
         may change once this returns. rlmem's server: rlmem's handles; SGLang's: its ``flattened_bucket``
-        format (one bucket, sent to every tensor-parallel rank). Not vLLM's.
+        format (one bucket, sent to every tensor-parallel rank), inside a weight-update session
+        (``/begin_weight_update`` ... ``/end_weight_update``, always ended; a server without sessions
+        loads without one), after every name, shape and dtype was checked against the checkpoint the
+        server loaded (its ``/model_info``; read once). Not vLLM's.
+
+        Args:
+            named: the tensors by name.
+            partial: SGLang: these are some of the model's tensors (else every one it loads is required).
+            check: SGLang: check the tensors first (False: send them unchecked, where the checkpoint
+                cannot be read here; a name or shape its model lacks then kills the server).
 
         Raises:
-            ValueError: the vLLM flavor; SGLang's weights released by this engine (wake them first).
-            RemoteError: the server refused (an unknown name, another shape).
+            ValueError: the vLLM flavor; SGLang: its weights released by this engine (wake them first), its
+                weight cache on, a tensor its model does not have as given (named with what was sent and
+                what the model has), a set not complete without ``partial``, a checkpoint not readable
+                here (nothing is sent in each case).
+            RemoteError: the server refused (SGLang: another client's session open).
         """
         pairs = list(named.items()) if isinstance(named, dict) else list(named)
         if self.flavor == "sglang":
-            if "weights" in self._released:  # a load into released memory would crash its scheduler
-                raise ValueError("update_weights_from_tensor: the sglang server's weights are released")
-            bucket = _sglang.bucket(pairs)
-            # each tensor-parallel rank reads its own entry; a handle is opened once (a host tensor's
-            # descriptor is handed out once), so a dump per rank
-            ranks = int(self._sglang_info().get("tp_size") or 1)
-            data = [_sglang.serialize(bucket) for _ in range(ranks)]
-            body = {"serialized_named_tensors": data, "load_format": "flattened_bucket"}
-            out = self._call("POST", "/update_weights_from_tensor", json={**body, "flush_cache": True})
-            if isinstance(out, dict) and out.get("success") is False:
-                raise RemoteError(f"sglang server at {self.url} did not update its weights: {out}")
-            return out if isinstance(out, dict) else {}
+            return self._sglang_update(
+                pairs, partial=check_flag("partial", partial), check=check_flag("check", check)
+            )
         if self.flavor != "rlmem":
             raise ValueError(f"update_weights_from_tensor: flavor 'rlmem' or 'sglang', not {self.flavor!r}")
         from ..colocate.ipc import share_tensors
@@ -304,39 +313,81 @@ class RemoteEngine:
         self,
         weights: SharedWeights,
         *,
+        partial: bool = False,
         sync: bool = True,
         names: Sequence[str] | None = None,
         backend: str = "rlmem",
+        verify: bool = False,
+        pause: str | None = "wait",
     ) -> None:
-        """vLLM: load the server's weights from ``weights`` through its weight-transfer API: vLLM's
+        """SGLang: ``weights``' parameters through :meth:`update_weights_from_tensor` (checked against the
+        checkpoint the server loaded, inside its weight-update session).
+
+        vLLM: load the server's weights from ``weights`` through its weight-transfer API: vLLM's
         ``/start_weight_update``, ``/update_weights`` (``names``: these only), ``/finish_weight_update``,
-        after ``weights.sync()`` (with ``sync``).
+        after ``weights.sync()`` (with ``sync``), with the server's scheduling paused around them.
 
         ``backend="rlmem"`` (the server started with ``--weight-transfer-config '{"backend": "rlmem"}'``,
         rlmem installed beside it): the first call hands the shared memory's descriptors to its workers over
         a private Unix socket (``/init_weight_transfer_engine``), and each update loads from that memory
-        itself. ``backend="ipc"``, where rlmem cannot be installed beside the server: vLLM's own CUDA IPC
-        backend (``'{"backend": "ipc"}'``, and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in its environment,
-        as its HTTP client needs): the weights go through a staging buffer of 1 GiB exported once, a copy
-        and a request per chunk.
+        itself. The server checks the whole update against the checkpoint it loaded before loading a byte
+        (every name known, every shape its model's, the set complete unless ``partial``, a tied pair
+        consistent): a refused update leaves it serving its old weights, and the next good one loads.
+        ``backend="ipc"``, where rlmem cannot be installed beside the server: vLLM's own CUDA IPC backend
+        (``'{"backend": "ipc"}'``, and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in its environment, as its
+        HTTP client needs): the weights go through a staging buffer of 1 GiB exported once, a copy and a
+        request per chunk; nothing is checked before loading.
+
+        Args:
+            weights: the trainer's shared copy.
+            partial: ``names`` (or the shared weights) are a subset of the model's weights, on purpose.
+            sync: copy the trainer's parameters into ``weights`` first.
+            names: load these only (default: every shared weight).
+            backend: ``"rlmem"`` or ``"ipc"`` (see above).
+            verify: after loading, compare what the server's model holds with the shared weights, bit for
+                bit, on its device (rlmem's backend; a second pass over the weights: see
+                ``rlmem bench verify`` for its cost).
+            pause: how other clients' requests meet the update (vLLM's ``/pause``): ``"wait"`` lets those
+                running finish first (bounded by ``timeout``) and holds new ones until the update is done;
+                ``"keep"`` freezes those running where they are and resumes them on the new weights; None
+                sends no pause (no other client, or a vLLM without ``/pause``).
 
         Raises:
-            ValueError: another flavor, ``weights`` not a SharedWeights, an unknown ``backend``, or
-                ``"ipc"`` with weights off a GPU. RemoteError: the server refused (an unknown backend: its
-                message names the ones it has).
+            ValueError: the rlmem flavor, ``weights`` not a SharedWeights, an unknown ``backend`` or
+                ``pause``, ``verify``/``partial`` with ``"ipc"``, or ``"ipc"`` with weights off a GPU.
+            RemoteError: the server refused (the update, naming the parameters at fault and what its model
+                takes; an unknown backend: its message names the ones it has), or the verification found
+                parameters that differ (named).
         """
-        if self.flavor != "vllm":
-            raise ValueError(f"update_weights: the vllm flavor (rlmem's backend), not {self.flavor!r}")
+        if self.flavor not in ("vllm", "sglang"):
+            raise ValueError(f"update_weights: the vllm and sglang flavors, not {self.flavor!r}")
         if not isinstance(weights, SharedWeights):
             raise ValueError(f"weights must be a SharedWeights, got {type(weights).__name__}")
+        if self.flavor == "sglang":
+            if verify or backend != "rlmem":
+                raise ValueError(
+                    "update_weights: verify and backend are vLLM's; SGLang takes the tensors by handle"
+                )
+            if sync:
+                weights.sync()
+            self._sglang_update_shared(weights, names, partial)
+            return
         check_choice("backend", backend, ("rlmem", "ipc"))
+        if pause is not None:
+            check_choice("pause", pause, PAUSE_MODES)
+        if backend == "ipc" and (verify or partial):
+            raise ValueError("verify and partial: rlmem's backend only, not vLLM's 'ipc'")
+        if names is not None:
+            unknown = [str(n) for n in names if n not in weights.tensors]
+            if unknown:
+                raise ValueError(f"names: not in the shared weights: {', '.join(map(repr, unknown[:5]))}")
         if self._transfer is None or self._transfer[0] != backend or self._transfer[2] is not weights:
             self._close_transfer()
             if backend == "rlmem":
                 from ..colocate.handout import Handout
 
                 sender: Any = Handout(weights)
-                info: dict[str, Any] = {"socket": sender.path, "timeout": self.timeout}
+                info: dict[str, Any] = {"socket": sender.path, "timeout": self.control_timeout}
             else:
                 from ._vllm_ipc import IpcStaging
 
@@ -347,13 +398,50 @@ class RemoteEngine:
         sender = self._transfer[1]
         if sync:
             weights.sync()
+        listed = None if names is None else [str(n) for n in names]
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+        paused = False
+        try:
+            if pause is not None:
+                # "wait": the server answers once the requests running have finished
+                paused = True
+                self._call(
+                    "POST", "/pause", params={"mode": pause}, wait=self.timeout if pause == "wait" else 0.0
+                )
+                timings["pause_s"] = time.perf_counter() - t0
+            if backend == "rlmem":
+                self._session([{"names": listed, "partial": bool(partial)}])
+                timings["load_s"] = time.perf_counter() - t0 - timings.get("pause_s", 0.0)
+                if verify:
+                    t1 = time.perf_counter()
+                    self._session([{"names": listed, "action": "verify"}])
+                    timings["verify_s"] = time.perf_counter() - t1
+            else:
+                self._session(sender.updates(listed))
+                timings["load_s"] = time.perf_counter() - t0 - timings.get("pause_s", 0.0)
+        finally:
+            if paused:
+                self._call("POST", "/resume")
+        self.last_update = {**timings, "seconds": time.perf_counter() - t0}
+
+    def _session(self, updates: Any) -> None:
+        """One weight-update session: ``/start_weight_update``, an ``/update_weights`` per update,
+        ``/finish_weight_update``. A failed ``/update_weights`` ends the session on vLLM's side (its worker
+        resets it, ``v1/worker/gpu_worker.py``): no finish is sent after one."""
+        handout = self._transfer[1] if self._transfer and self._transfer[0] == "rlmem" else None
+        if handout is not None:
+            handout.take_reports()  # none left from before
         self._call("POST", "/start_weight_update", json={})
-        if backend == "rlmem":
-            update = {"names": None if names is None else [str(n) for n in names]}
-            self._call("POST", "/update_weights", json={"update_info": update})
-        else:
-            for update in sender.updates(None if names is None else [str(n) for n in names]):
+        for update in updates:
+            try:
                 self._call("POST", "/update_weights", json={"update_info": update})
+            except RemoteError as e:
+                # vLLM's answer carries no reason; rlmem's backend told this process its own
+                said = [r["error"] for r in (handout.take_reports(2.0) if handout else []) if r.get("error")]
+                if said:
+                    raise RemoteError(f"vllm server at {self.url}: {said[0]}") from e
+                raise
         self._call("POST", "/finish_weight_update", json={})
 
     def _close_transfer(self) -> None:
@@ -385,13 +473,13 @@ class RemoteEngine:
         """
         path = {"sglang": "/flush_cache", "vllm": "/reset_prefix_cache", "rlmem": "/flush_cache"}
         # SGLang waits for its scheduler to be idle up to ?timeout= and answers 400 if it was not
-        params = {"timeout": self.timeout} if self.flavor == "sglang" else None
+        params = {"timeout": self.control_timeout} if self.flavor == "sglang" else None
         t0 = time.monotonic()
         while True:
-            out = self._call("POST", path[self.flavor], params=params)
+            out = self._call("POST", path[self.flavor], params=params, wait=self.control_timeout)
             if not (isinstance(out, dict) and out.get("success") is False):
                 return
-            if time.monotonic() - t0 > self.timeout:
+            if time.monotonic() - t0 > self.control_timeout:
                 raise RemoteError(f"{self.flavor} server at {self.url} did not flush its cache: {out}")
             time.sleep(0.05)
 
@@ -410,7 +498,7 @@ class RemoteEngine:
     def health(self) -> bool:
         """Whether the server answers ``GET /health`` with 200."""
         try:
-            return self._http.get(self._health_path()).status_code == 200
+            return self._http.get(self._health_path(), timeout=self.control_timeout).status_code == 200
         except Exception:
             return False
 
@@ -419,14 +507,148 @@ class RemoteEngine:
         self._http.close()
 
     # -- plumbing ---------------------------------------------------------------------------------------
+    def _client(self) -> Any:
+        import httpx
+
+        if self.url.startswith("unix://"):
+            transport = httpx.HTTPTransport(uds=self.url.removeprefix("unix://"))
+            return httpx.Client(
+                base_url="http://rlmem", headers=self._headers, timeout=self.timeout, transport=transport
+            )
+        return httpx.Client(base_url=self.url, headers=self._headers, timeout=self.timeout)
+
     def _health_path(self) -> str:
         # SGLang's /health generates a token: not over a KV cache this engine released
-        return "/server_info" if self.flavor == "sglang" and self._released else "/health"
+        ctl = self.__dict__.get("_sgl_control")  # not _sgl(): no wait for a sleep holding the lock
+        if self.flavor == "sglang" and (self._released or (ctl is not None and ctl.paused)):  # paused: held
+            return "/server_info"
+        return "/health"
 
     def _sglang_info(self) -> dict[str, Any]:
         if self._info is None:
             self._info = dict(self._call("GET", "/server_info") or {})
         return self._info
+
+    def _sgl(self) -> _sglang.Control:
+        with self._idle:
+            ctl = self.__dict__.get("_sgl_control")
+            if ctl is None:
+                ctl = self._sgl_control = _sglang.Control(self)
+            return ctl
+
+    def _sglang_release(self, level: int) -> bool:
+        """Release what ``level`` takes and is not released yet (False: nothing to release), only once the
+        server is idle: SGLang's scheduler dies on a release while a request runs (module docstring).
+
+        This engine's lock is held from the wait for its own generations to the release's answer, and
+        ``generate`` takes it to check what is released: no request of this engine's other threads
+        reaches the server in between. Other clients' are held by SGLang's pause (``retract``: those
+        running go back to its queue, to run after the wake), which lasts until every tag is resumed; a
+        server without ``/pause_generation`` has only the flush's check of idleness, and a request of
+        another client arriving between the flush and the release still kills it.
+        """
+        ctl = self._sgl()
+        with self._idle:
+            self._wait_own_generations()
+            info = self._sglang_info()
+            tags = _sglang.release_tags(level, info, self._released, self.url)
+            if not tags:
+                return False
+            if "weights" in tags:
+                _sglang.check_weight_cache(info, self.url, f"sleep(level={level})")
+            if not self._released:
+                ctl.refuse_if_paused_elsewhere(f"sleep(level={level})")
+            ctl.pause()
+            try:
+                wait = self.control_timeout
+                self._call("POST", "/flush_cache", params={"timeout": wait}, wait=wait)
+                self._call("POST", "/release_memory_occupation", json={"tags": tags})
+            except RemoteError as e:
+                # an answer: nothing was released (a failed release gets none, the server dies)
+                if not self._released:
+                    try:
+                        ctl.unpause()
+                    except Exception as u:
+                        e.add_note(f"and its generation could not be let go on: {u}")
+                raise
+            except Exception as e:  # no answer: what was released is not known, so nothing runs
+                e.add_note(f"sglang server at {self.url}: its generation stays paused (GET /ready says so)")
+                raise
+            self._released.update(tags)
+        return True
+
+    def _sglang_resume(self, tags: Sequence[str] | None) -> bool:
+        """Resume the tags of ``tags`` this engine released (False: none), and once nothing is released
+        let the server's held requests run. A tag this engine did not release is never resumed (the
+        server dies on it), and, having released nothing, a server paused by another is refused."""
+        ctl = self._sgl()
+        with self._idle:
+            todo = _sglang.resume_tags(tags, self._released)
+            if not todo:
+                if not self._released:
+                    ctl.refuse_if_paused_elsewhere("wake")
+                return False
+            if "weights" in todo:
+                _sglang.check_weight_cache(self._sglang_info(), self.url, "wake")
+            self._call("POST", "/resume_memory_occupation", json={"tags": todo})
+            self._released.difference_update(todo)
+            if not self._released:
+                ctl.unpause()
+        return True
+
+    def _sglang_update(
+        self, pairs: list[tuple[str, torch.Tensor]], *, partial: bool, check: bool
+    ) -> dict[str, Any]:
+        """:meth:`update_weights_from_tensor` for SGLang: checked before anything is sent, then loaded in a
+        weight-update session that is always ended, under this engine's lock (no sleep or wake of it
+        meanwhile; SGLang itself waits for the requests in flight, ``tokenizer_control_mixin.py:563-598``)."""
+        ctl = self._sgl()
+        with self._idle:
+            if "weights" in self._released:  # a load into released memory would crash its scheduler
+                raise ValueError("update_weights_from_tensor: the sglang server's weights are released")
+            info = self._sglang_info()
+            _sglang.check_weight_cache(info, self.url, "update_weights_from_tensor")
+            if check:
+                check_update(
+                    pairs,
+                    ctl.checkpoint(),
+                    partial,
+                    f"the sglang server at {self.url}",
+                    "update_weights_from_tensor",
+                )
+            bucket = _sglang.bucket(pairs)
+            opened = ctl.begin()
+            try:
+                # each tensor-parallel rank reads its own entry; a handle is opened once (a host tensor's
+                # descriptor is handed out once), so a dump per rank
+                data = [_sglang.serialize(bucket) for _ in range(int(info.get("tp_size") or 1))]
+                body = {"serialized_named_tensors": data, "load_format": "flattened_bucket"}
+                body["flush_cache"] = True
+                out = self._call("POST", "/update_weights_from_tensor", json=body, wait=ctl.generations())
+                if isinstance(out, dict) and out.get("success") is False:
+                    raise RemoteError(f"sglang server at {self.url} did not update its weights: {out}")
+            except BaseException as e:
+                if opened:
+                    ctl.end(failed=e)
+                raise
+            if opened:
+                ctl.end()
+        return out if isinstance(out, dict) else {}
+
+    def _sglang_update_shared(
+        self, weights: SharedWeights, names: Sequence[str] | None, partial: bool
+    ) -> None:
+        """SGLang's ``update_weights(weights)``: the parameters of ``weights`` (``names``: these only; its
+        buffers are not the checkpoint's) through :meth:`update_weights_from_tensor`. The caller syncs."""
+        if names is None:
+            names = [n for n, _ in weights.model.named_parameters()]
+        names = [str(n) for n in names]
+        unknown = [n for n in names if n not in weights.tensors]
+        if unknown:
+            raise ValueError(
+                f"names: {', '.join(map(repr, unknown[:3]))} not among the shared weights' tensors"
+            )
+        self._sglang_update([(n, weights.tensors[n]) for n in names], partial=partial, check=True)
 
     def _wait_own_generations(self) -> None:
         """Wait (bounded) until this engine's generate calls have returned: a sleep never cuts them."""
@@ -444,11 +666,16 @@ class RemoteEngine:
         self.model = str(models[0]["id"])
         return self.model
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
+    def _call(
+        self, method: str, path: str, *, timeout: float | None = None, wait: float = 0.0, **kw: Any
+    ) -> Any:
+        """One request, bounded by ``timeout`` (default: the control time-out), plus ``wait``: the seconds
+        the server itself was asked to wait before it answers (SGLang's ``?timeout=``)."""
         import httpx
 
+        limit = (self.control_timeout if timeout is None else timeout) + wait
         try:
-            r = self._http.request(method, path, **kw)
+            r = self._http.request(method, path, timeout=limit, **kw)
         except httpx.HTTPError as e:
             raise ConnectionError(f"{method} {self.url}{path}: {e}") from e
         if r.status_code >= 400:
@@ -456,6 +683,11 @@ class RemoteEngine:
                 detail = r.json()
             except ValueError:
                 detail = r.text[:500]
+            if r.status_code >= 500:
+                # a server whose handler raised (vLLM on a failed weight update) closes the connection
+                # after its answer: the next call must not be sent on it
+                self._http.close()
+                self._http = self._client()
             msg = f"{method} {self.url}{path} answered {r.status_code}: {detail}"
             said = str(detail.get("detail", "") if isinstance(detail, dict) else detail)
             if r.status_code == 503 and said.startswith("out of memory"):
@@ -488,11 +720,11 @@ class RemoteEngine:
                 last, since = free, now
             elif want is None and now - since >= _SETTLE_S:
                 break
-            if now - t0 > self.timeout:
+            if now - t0 > self.control_timeout:
                 raise FenceError(
                     f"{self.flavor} server at {self.url}: after sleep the device's free memory rose "
                     f"{max(0, rise) / 2**30:.2f} GiB of the {(want or 0) / 2**30:.2f} GiB its last wake "
-                    f"took, within {self.timeout:g} s"
+                    f"took, within {self.control_timeout:g} s"
                 )
             time.sleep(_POLL)
         self._took = None
