@@ -1,7 +1,9 @@
 """``rlmem.integrations.trl`` with TRL's own ``GRPOTrainer`` (CPU): training with :class:`RLMemCallback` is
 bit-identical to TRL alone (losses, gradient norms, final weights, the saved optimizer), with gradient
 accumulation, several iterations per generation, a reference model and a resumed checkpoint; the
-optimizer's bytes are away from the device while TRL generates and scores."""
+optimizer's bytes are away from the device while TRL generates and scores. The sampler samples from the
+prompt ids TRL's own generation computes (text and chat, with and without a BOS); what the callback cannot
+carry out is refused before anything is trained; docs/trl.md's blocks run as written."""
 
 from __future__ import annotations
 
@@ -174,7 +176,7 @@ def test_what_it_cannot_manage_is_refused_clearly():
         pass
 
     DeepSpeedOpt.__module__ = "deepspeed.runtime.zero"
-    with pytest.raises(ValueError, match="DeepSpeed optimizer"):
+    with pytest.raises(ValueError, match="cannot manage the optimizer under DeepSpeed: "):
         _inner(DeepSpeedOpt())
     with pytest.raises(ValueError, match="no torch optimizer found in object"):
         _inner(object())
@@ -242,3 +244,279 @@ def test_the_benchmark_says_whether_trl_repeats_itself():
     s = summarize({"trl": part("a", 1.0), "callback": part("a", 1.0), "trl-again": part("b", 1.5)})
     assert s["bit_identical"] is True and s["trl_reproducible"] is False
     assert s["step_s_trl_again"] == 2.0 and "trl_reproducible" not in summarize({"trl": part("a", 1.0)})
+
+
+# -- TRL's prompts through the sampler --------------------------------------------------------------------
+
+_CHAT = (
+    "{{ bos_token if bos_token else '' }}{% if greeting %}{{ greeting }}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _tokenizer(bos: bool):
+    """A BPE tokenizer trained on PROMPTS with a chat template (which writes the BOS where there is one);
+    with ``bos``, its plain call adds a BOS as Llama's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|pad|>", "<|bos|>", "<|user|>", "<|assistant|>"]
+    bpe = trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False)
+    tok.train_from_iterator([*PROMPTS, "Hi there"], bpe)
+    kw = {}
+    if bos:
+        b = tok.token_to_id("<|bos|>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", b)]
+        )
+        kw["bos_token"] = "<|bos|>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>", **kw)
+    fast.chat_template = _CHAT
+    return fast
+
+
+def _tiny_model(tok):
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _args(out, **over):
+    cfg = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        bf16=False,
+    )
+    cfg.update(over)
+    return trl.GRPOConfig(**cfg)
+
+
+@pytest.mark.parametrize("bos", [True, False], ids=["adds-bos", "no-bos"])
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "conversational"])
+def test_the_sampler_sees_the_prompt_ids_trls_own_generation_computes(tmp_path, monkeypatch, bos, chat):
+    from rlmem.rollout import HFSampler
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tok = _tokenizer(bos)
+    rows = [{"prompt": [{"role": "user", "content": p}] if chat else p} for p in PROMPTS]
+    seen: dict[str, list] = {"prompts": [], "ids": []}
+    generate = HFSampler.generate
+
+    def watched(self, ids, **k):
+        seen["ids"].append([list(x) for x in ids])
+        return generate(self, ids, **k)
+
+    monkeypatch.setattr(HFSampler, "generate", watched)
+    r = sampler_rollout()
+
+    def rollout(prompts, trainer):
+        seen["prompts"].append(prompts)
+        return r(prompts, trainer)
+
+    over = dict(chat_template_kwargs={"greeting": "Hi there"}) if chat else {}
+    trainer = trl.GRPOTrainer(
+        model=_tiny_model(tok),
+        reward_funcs=[_reward],
+        args=_args(tmp_path, **over),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tok,
+        rollout_func=rollout,
+        callbacks=[r.callback],
+    )
+    trainer.train()
+    assert len(seen["ids"]) == 1 and len(seen["ids"][0]) == 4
+    # TRL's own generation path (GRPOTrainer._generate without a rollout_func) on the same prompts
+    trl_ids, _, _ = trainer._tokenize_prompts(seen["prompts"][0])
+    assert seen["ids"][0] == [list(x) for x in trl_ids]
+    first = seen["ids"][0][0]
+    if bos:  # the one BOS: the tokenizer's for text, the template's for chat (none added on top)
+        assert first[0] == tok.bos_token_id and first.count(tok.bos_token_id) == 1
+    else:
+        assert tok.bos_token_id is None
+    if chat:  # GRPOConfig.chat_template_kwargs reached the template, and the generation prompt is there
+        text = tok.decode(first)
+        assert "Hi there<|user|>" in text and text.endswith("<|assistant|>")
+
+
+# -- what a TRL user meets: refusals -------------------------------------------------------------------------
+
+
+def _trainer(tmp_path, *, callbacks=None, rollout_func=None, **over):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path.parent / "shared-model"
+    if not path.exists():
+        tok, _ = tokenizer_and_data(tmp_path.parent / "shared-assets", rows=64)
+        model_dir("qwen2", path, tok)
+    return trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
+        reward_funcs=[_reward],
+        args=_args(tmp_path / "out", **over),
+        train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+        processing_class=AutoTokenizer.from_pretrained(str(path)),
+        callbacks=callbacks,
+        rollout_func=rollout_func,
+    )
+
+
+def _weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_is_refused_at_every_zero_stage(stage):
+    # Under DeepSpeed the Trainer's optimizer is accelerate's DeepSpeedOptimizerWrapper over DeepSpeed's
+    # engine's optimizer; at stage 0 (fp32) that is the torch optimizer itself, which the callback adopted
+    # until step 2 crashed inside DeepSpeed's step.
+    from types import SimpleNamespace
+
+    from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
+
+    model = torch.nn.Linear(4, 4)
+    wrapped = DeepSpeedOptimizerWrapper.__new__(DeepSpeedOptimizerWrapper)  # its __init__ wants DeepSpeed
+    wrapped.optimizer = torch.optim.AdamW(model.parameters())
+    args = SimpleNamespace(deepspeed={"zero_optimization": {"stage": stage}})
+    cb = RLMemCallback()
+    with pytest.raises(ValueError, match=rf"under DeepSpeed ZeRO stage {stage}: .*offload_optimizer"):
+        cb.on_train_begin(args, None, None, model=model, optimizer=wrapped)
+    assert cb.pm is None  # nothing adopted
+    no_section = SimpleNamespace(deepspeed={"train_batch_size": 4})  # DeepSpeed's default is stage 0
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO stage 0"):
+        cb.on_train_begin(no_section, None, None, model=model, optimizer=wrapped)
+
+
+def test_manage_refuses_what_is_not_a_trainer(model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path))
+    for bad, name in ((None, "NoneType"), (model, "Qwen2ForCausalLM")):
+        with pytest.raises(ValueError, match=rf"^trainer must be TRL's GRPOTrainer .*got {name}"):
+            manage(bad)
+
+
+def test_a_second_rlmem_callback_in_one_trainer_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    # manage() beside callbacks=[RLMemCallback()]: at the call
+    trainer = _trainer(tmp_path / "a", callbacks=[RLMemCallback()])
+    with pytest.raises(ValueError, match=r"has an RLMemCallback already .*use one of the two"):
+        manage(trainer)
+    # two in callbacks=, or one beside a sampler's: as training starts, before any step
+    r = sampler_rollout()
+    for i, cbs, rollout in (
+        (0, [RLMemCallback(), RLMemCallback()], None),
+        (1, [r.callback, RLMemCallback()], r),
+    ):
+        trainer = _trainer(tmp_path / f"b{i}", callbacks=cbs, rollout_func=rollout)
+        before = _weights(trainer)
+        with pytest.raises(ValueError, match="a second rlmem callback in this GRPOTrainer: keep one"):
+            trainer.train()
+        assert trainer.state.global_step == 0
+        assert all(torch.equal(before[k], v) for k, v in _weights(trainer).items())
+
+
+def test_a_sampler_callback_without_its_rollout_func_and_the_reverse_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    r = sampler_rollout()
+    trainer = _trainer(tmp_path / "a", callbacks=[r.callback])
+    before = _weights(trainer)
+    with pytest.raises(ValueError, match=r"rollout_func is not r .*callbacks=\[r\.callback\]\)$"):
+        trainer.train()  # refused before the first optimizer step: the weights are as they were
+    assert all(torch.equal(before[k], v) for k, v in _weights(trainer).items())
+    with pytest.raises(ValueError, match="rollout_func is not r"):
+        manage(trainer)
+    r = sampler_rollout()
+    trainer = _trainer(tmp_path / "b", rollout_func=r)
+    with pytest.raises(ValueError, match=r"needs r\.callback in its callbacks too"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_manage_gives_a_sampler_rollouts_callback_the_reference(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    r = sampler_rollout()
+    trainer = _trainer(tmp_path, rollout_func=r, beta=0.1, max_steps=2)
+    cb = manage(trainer)  # adds r.callback, which the trainer did not have
+    assert cb is r.callback and cb in trainer.callback_handler.callbacks and cb.ref_model is trainer.ref_model
+    trainer.train()
+    assert trainer.state.global_step == 2 and r.calls == 2
+    assert cb.ref_state is not None and cb.ref_state.stats().categories["params"].bytes > 0
+
+
+def test_a_sampler_rollout_serves_a_second_trainer(tmp_path, monkeypatch):
+    # The second trainer samples from its own model: what a new sampler_rollout seeded where the first one's
+    # calls left off gives it, bit for bit.
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    r = sampler_rollout()
+    _trainer(tmp_path / "a", rollout_func=r, callbacks=[r.callback]).train()
+    first = r.sampler
+    again = _trainer(tmp_path / "b", rollout_func=r, callbacks=[r.callback])
+    again.train()
+    assert r.sampler is not first and r.sampler.model is again.model
+    fresh = sampler_rollout(seed=1)
+    alone = _trainer(tmp_path / "c", rollout_func=fresh, callbacks=[fresh.callback])
+    alone.train()
+    logs = [[x["loss"] for x in t.state.log_history if "loss" in x] for t in (again, alone)]
+    assert logs[0] == logs[1] and len(logs[0]) == 1
+    assert all(torch.equal(v, _weights(alone)[k]) for k, v in _weights(again).items())
+
+
+def test_the_docstrings_path_to_manage_works_after_import_rlmem():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rlmem\n"
+        "assert 'trl' not in sys.modules and 'rlmem.integrations.trl' not in sys.modules\n"
+        "print(rlmem.integrations.trl.manage.__name__, 'transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["manage", "True"], out.stdout + out.stderr
+
+
+def test_the_docs_blocks_run_as_written(model_path, tmp_path, monkeypatch):
+    # docs/trl.md's python blocks, each in a namespace of its own given what they say they are given
+    import re
+    from pathlib import Path
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    text = (Path(__file__).parent.parent / "docs" / "trl.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 3
+    for i, block in enumerate(blocks):
+        ns = {
+            "model": str(model_path),
+            "reward": _reward,
+            "args": _args(tmp_path / str(i), max_steps=2, beta=0.1),
+            "data": datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+        }
+        exec(compile(block, f"docs/trl.md block {i + 1}", "exec"), ns)
+        trainer = ns["trainer"]
+        assert trainer.state.global_step == 2
+        ours = [c for c in trainer.callback_handler.callbacks if isinstance(c, RLMemCallback)]
+        assert len(ours) == 1 and ours[0].pm is not None, block
