@@ -24,6 +24,7 @@ _BENCHES = (
     "colocate",
     "families",
     "trl",
+    "verify",
 )
 
 

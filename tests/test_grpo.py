@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -249,44 +254,70 @@ def test_dynamic_micro_batches_fit_the_budget_and_are_trimmed():
         GRPOConfig(max_tokens_per_micro_batch=0)
 
 
-def test_ctrl_c_leaves_a_checkpoint_summary_and_timeline(tmp_path):
-    import signal
-    import subprocess
-    import sys
-    import time
-
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_leaves_a_checkpoint_summary_and_timeline(tmp_path, sig):
+    # SIGTERM is how SLURM, Kubernetes and `timeout` stop a job: the same end as Ctrl-C, exit 128 + signal
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-u",
-        "-m",
-        "rlmem",
-        "train",
-        "device=cpu",
-        "steps=100000",
-        "prompts_per_step=4",
-        "group_size=2",
-        "plot=false",
-        "progress=false",
-        f"out_dir={out}",
-    ]
+    cmd = [sys.executable, "-u", "-m", "rlmem", "train", "device=cpu", "steps=100000", "prompts_per_step=4"]
+    cmd += ["group_size=2", "plot=false", "progress=false", f"out_dir={out}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not _rows(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None and _rows(out), "no step was logged"
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + sig, stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    done = summary["steps"]
+    assert f"interrupted after {done} steps ({sig.name})" in stdout and summary["stopped_by"] == sig.name
+    assert (out / "timeline.jsonl").is_file() and len(_rows(out)) == done
+    st = torch.load(out / f"checkpoint-{done}" / "trainer_state.pt", weights_only=False)
+    assert done >= 1 and st["step"] == done  # the last whole step
 
-    def started() -> bool:
-        log = out / "log.jsonl"
-        return log.is_file() and bool(log.read_text())
 
-    deadline = time.time() + 120
-    while time.time() < deadline and not started():
-        time.sleep(0.2)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
-    assert "interrupted after" in stdout and (out / "summary.json").is_file()
-    assert (out / "timeline.jsonl").is_file()
-    done = json.loads((out / "summary.json").read_text())["steps"]
-    assert done >= 1 and (out / f"checkpoint-{done}" / "trainer_state.pt").is_file()
+def _rows(out):
+    log = out / "log.jsonl"
+    return [json.loads(r) for r in log.read_text().splitlines()] if log.is_file() else []
+
+
+def test_sigterm_again_changes_nothing_ctrl_c_again_stops_at_once():
+    from rlmem.recipes.runtime import Runtime
+    from rlmem.recipes.stop import RunStopped, StopRequest
+
+    one = Runtime(torch.device("cpu"), 0, 1, "fp32", torch.float32, None, None)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    said: list[str] = []
+    stop = StopRequest(said.append)
+    stop.install()
+    try:
+        assert stop.agreed(one) == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's second (SLURM's, then torchrun's own)
+        assert stop.agreed(one) == signal.SIGTERM and said == [
+            "\nSIGTERM: stopping after this step (checkpoint and summary next)"
+        ]
+        with pytest.raises(RunStopped) as e:  # Ctrl-C at a terminal: someone who will not wait
+            os.kill(os.getpid(), signal.SIGINT)
+        assert e.value.exit_status == 143 and not e.value.together
+    finally:
+        stop.restore()
+    assert {s: signal.getsignal(s) for s in before} == before
+    stop = StopRequest(said.append)
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed(one) == signal.SIGINT and said[-1].endswith("(Ctrl-C again to stop now)")
+        with pytest.raises(RunStopped) as e:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert e.value.exit_status == 130 and not e.value.together
+    finally:
+        stop.restore()
 
 
 def test_a_step_row_carries_the_communicators_suspend_and_resume():
@@ -389,3 +420,58 @@ def test_comms_suspend_gathers_the_whole_model_only_where_the_sync_comes_after_t
     me = types.SimpleNamespace(cfg=types.SimpleNamespace(comms="keep"), own_copy=True, engine=Tagged())
     me._timed_sync = lambda: None
     assert Policy.weight_sync(me) is me._timed_sync
+
+
+def test_every_config_key_is_of_the_run_identity_or_says_why_not():
+    import dataclasses
+
+    from rlmem.recipes import identity
+
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert set(identity.KEYS) | set(identity.OTHER) == names
+    assert not set(identity.KEYS) & set(identity.OTHER) and "steps" in identity.OTHER
+    a = identity.identity(GRPOConfig(temperature=1, steps=5, offload=True))
+    assert a == identity.identity(GRPOConfig(temperature=1.0, micro_batch_size=2))  # one run
+    assert identity.run_name(a) != identity.run_name(identity.identity(GRPOConfig(seed=1)))
+
+
+def _tiny(**kw):
+    base = dict(steps=2, prompts_per_step=4, group_size=2, save_every=1, progress=False, plot=False)
+    return GRPOConfig(**{**base, **kw})
+
+
+def test_runs_with_other_keys_never_share_a_folder_and_resume_only_their_own(tmp_path, monkeypatch):
+    import shutil
+
+    from rlmem.recipes import identity
+    from rlmem.recipes.yaml_config import dump
+
+    monkeypatch.chdir(tmp_path)  # the default out_dir, runs/grpo, is here
+    quiet = dict(echo=lambda *a, **k: None)
+    first = run(_tiny(), **quiet)
+    out = tmp_path / "runs" / "grpo"
+    files = {f: (out / f).read_bytes() for f in ("log.jsonl", "summary.json", "config.yaml")}
+    ckpts = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert ckpts == ["checkpoint-1", "checkpoint-2"]
+    names = [identity.run_name(identity.identity(c)) for c in (_tiny(), _tiny(lr=5e-4))]
+    with pytest.raises(ValueError, match="holds another run's results") as e:
+        run(_tiny(lr=5e-4, steps=1), **quiet)  # another run, in the default folder
+    msg = str(e.value)
+    assert f"{names[0]} there, {names[1]} here" in msg and "lr 0.001 there, 0.0005 here" in msg
+    assert "out_dir=DIR" in msg
+    assert {f: (out / f).read_bytes() for f in files} == files  # nothing written over
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ckpts
+    # The same run, with more steps or other memory settings: it goes on from its own checkpoint.
+    said: list[str] = []
+    done = run(_tiny(steps=1, resume="auto", micro_batch_size=2), echo=said.append)
+    assert "nothing to train: the checkpoint resumed from has 2 steps, steps=1" in said
+    assert done == first and (out / "log.jsonl").read_bytes() == files["log.jsonl"]
+    # A folder mixed by an earlier rlmem (another run's config.yaml beside this checkpoint): refused.
+    mixed = tmp_path / "mixed"
+    shutil.copytree(out / "checkpoint-2", mixed / "checkpoint-2")
+    dump(_tiny(lr=5e-4), mixed / "config.yaml")
+    for where in ("auto", str(out / "checkpoint-2")):
+        with pytest.raises(ValueError, match="is a checkpoint of another run") as e:
+            run(_tiny(lr=5e-4, steps=4, resume=where, out_dir=str(mixed)), **quiet)
+        assert f"{names[0]} there, {names[1]} here" in str(e.value) and "lr 0.001 there" in str(e.value)
+    assert sorted(p.name for p in mixed.iterdir()) == ["checkpoint-2", "config.yaml"]

@@ -4,11 +4,17 @@ changes nothing."""
 from __future__ import annotations
 
 import json
+import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 from _helpers import gpu_worlds, run_launcher
+
+from rlmem._procs import communicate_or_stop, launch, stop_tree
 
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
@@ -131,3 +137,38 @@ def test_fsdp2_two_cpu_ranks_checkpoint_and_resume_bit_identical(tmp_path):
 
     m = AutoModelForCausalLM.from_pretrained(str(tmp_path / "part" / "checkpoint-3"))
     assert sum(p.numel() for p in m.parameters()) > 0
+
+
+def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
+    # How Kubernetes and `timeout` stop a job: SIGTERM to the launcher, which forwards it to each rank's
+    # process group. Each rank runs under `sh`, which waits for it (its trap runs once the rank is done)
+    # and records the rank's exit status.
+    out = tmp_path / "run"
+    train = [sys.executable, "-m", "rlmem", "train", "device=cpu", "steps=100000", "prompts_per_step=4"]
+    train += ["group_size=2", "plot=false", "progress=false", f"out_dir={out}"]
+    status = shlex.quote(str(tmp_path / "exit-rank"))
+    rank = f"trap : TERM; {shlex.join(train)}; echo $? > {status}$RANK"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python"]
+    proc = launch([*cmd, "sh", "-c", rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "log.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while not (log.is_file() and log.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None and log.read_text(), "no step was logged"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr, late = communicate_or_stop(proc, 120)
+    finally:
+        if proc.poll() is None:
+            stop_tree(proc)
+    assert not late, stderr[-4000:]
+    # torchrun itself ends with its own SignalException (1); what each rank did is what matters
+    ranks = [(tmp_path / f"exit-rank{r}").read_text().strip() for r in (0, 1)]
+    assert ranks == ["143", "143"], stdout[-2000:] + stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    done = summary["steps"]
+    assert summary["stopped_by"] == "SIGTERM" and len(summary["phases_by_rank"]) == 2  # together
+    assert f"interrupted after {done} steps (SIGTERM)" in stdout
+    assert (out / "timeline-rank1.jsonl").is_file() and len(log.read_text().splitlines()) == done
+    st = torch.load(out / f"checkpoint-{done}" / "trainer_state.pt", weights_only=False)
+    assert done >= 1 and st["step"] == done

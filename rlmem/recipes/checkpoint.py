@@ -23,6 +23,7 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -290,18 +291,31 @@ def _check_same_model(path: Path, model: nn.Module) -> None:
 
 
 def load(
-    path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, world: int
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    world: int,
+    accept: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Load the weights and optimizer state of checkpoint ``path`` into ``model`` and ``optimizer``;
     returns the rest of its trainer state (step, RNG states, data position, config).
 
+    Args:
+        accept: called with the trainer state before anything is loaded; it raises to refuse the checkpoint
+            (``rlmem train`` checks that it is one of the same run).
+
     Raises:
-        ValueError: ``path`` is not a checkpoint, or one of another model; nothing is loaded then.
+        ValueError: ``path`` is not a checkpoint, one of another model, or refused by ``accept``; nothing is
+            loaded then.
     """
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"resume: {str(p)!r} does not exist")
     _check_same_model(p, model)
+    state = torch.load(p / "trainer_state.pt", map_location="cpu", weights_only=False)
+    if accept is not None:
+        accept(state)
     from safetensors.torch import load_file
 
     weights: dict[str, torch.Tensor] = {}
@@ -309,7 +323,6 @@ def load(
         weights.update(load_file(str(f)))
     if not weights:
         raise ValueError(f"resume: {str(p)!r} holds no model weights (*.safetensors)")
-    state = torch.load(p / "trainer_state.pt", map_location="cpu", weights_only=False)
     if world == 1:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()

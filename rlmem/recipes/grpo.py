@@ -19,8 +19,10 @@ engine (``policy.py``), and what the run writes and prints (``runlog.py``, ``rep
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,16 +32,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._extras import require
 from ..data.batching import token_budget_batches
 from ..monitor.timeline import MemoryTimeline
 from ..rollout.server_rollout import EngineLostError
-from . import checkpoint
+from . import checkpoint, identity
 from .config import GRPOConfig, train_parser
 from .policy import Policy
 from .prompts import PromptSource, make_prompts
 from .report import banner, report
 from .runlog import RunLog, StepResult, track
-from .runtime import Runtime, StopRequest, setup
+from .runtime import Runtime, setup
+from .stop import RunStopped, StopRequest
 from .yaml_config import load
 
 __all__ = ["GRPOConfig", "main", "report", "run"]
@@ -106,27 +110,41 @@ def run(cfg: GRPOConfig, *, echo: Any = print) -> dict[str, Any]:
     """Train with GRPO per ``cfg``; returns the summary that is also written to ``out_dir``.
 
     Raises:
-        ValueError: bad configuration (model, device, budget).
+        ValueError: bad configuration (model, device, budget), or ``out_dir`` holds another run's results.
+        RunStopped: Ctrl-C or SIGTERM ended the run after a step (its checkpoint and summary written).
         rlmem.OutOfMemoryError / torch.OutOfMemoryError: the KV cache or training does not fit.
     """
     t_run = time.perf_counter()
+    identity.check_folder(cfg)  # before anything is built, on every rank: nothing written over another run
     rt = setup(cfg)
     say = echo if rt.lead else (lambda *a, **k: None)
     prompts = make_prompts(cfg, say)
     policy = Policy(cfg, rt, prompts)
+    stop = StopRequest(say)
     try:
-        return _train(cfg, rt, prompts, policy, say, t_run)
+        return _train(cfg, rt, prompts, policy, say, t_run, stop)
     finally:
+        stop.restore()
         policy.close()  # a server this run started stops, whatever ended the run
 
 
 def _train(
-    cfg: GRPOConfig, rt: Runtime, prompts: PromptSource, policy: Policy, say: Any, t_run: float
+    cfg: GRPOConfig,
+    rt: Runtime,
+    prompts: PromptSource,
+    policy: Policy,
+    say: Any,
+    t_run: float,
+    stop: StopRequest,
 ) -> Any:
     """The loop of :func:`run`, once its policy is built."""
     model, opt = policy.model, policy.opt
     rng = random.Random(cfg.seed)
     start = _resume(cfg, policy, prompts, rng, rt, say)
+    if start >= cfg.steps:  # a finished run started again (a scheduler's requeue): nothing written over
+        say(f"nothing to train: the checkpoint resumed from has {start} steps, steps={cfg.steps}")
+        summary = Path(cfg.out_dir) / "summary.json"
+        return json.loads(summary.read_text()) if summary.is_file() else {}
     what = dict(
         model=model, optimizer=opt, tokenizer=prompts.tokenizer, rng=rng, world=rt.world, rank=rt.rank
     )
@@ -147,7 +165,8 @@ def _train(
     saved_at = start if cfg.resume is not None and start else None
     done, updating, interrupted, together = start, False, False, True
     lost: EngineLostError | None = None
-    stop = StopRequest(say)  # Ctrl-C finishes the step in flight, then saves; a second one stops at once
+    # Ctrl-C or SIGTERM from here to the summary: the step in flight is finished and saved (stop.py)
+    stop.install()
     # Only now: a run refused above has written nothing over an earlier one.
     with RunLog(cfg, rt, start, say, t0=t_run) as log:
         try:
@@ -240,8 +259,6 @@ def _train(
         except EngineLostError as e:  # the state is intact (on the device or in host memory): save it
             interrupted, lost = True, e
             say(f"{e}\nending the run after step {done}")
-        finally:
-            stop.restore()
         if together:
             # A run that ends in rollout (a lost server) leaves comms="suspend"'s groups suspended; the
             # checkpoint's gathers and the run's last barrier need them.
@@ -255,12 +272,13 @@ def _train(
             log.eval(done, _evaluate(policy, prompts, rt, tl, done))
             pm.resume_comms()  # the evaluation's switch to rollout suspended them; the run's end meets
         policy.close()  # before the summary: the server's last report is in the ledger's final samples
-    summary = log.finish(tl, policy.offload, done=done, interrupted=interrupted, together=together)
+    by = signal.Signals(stop.signum).name if stop.signum else None
+    summary = log.finish(tl, policy.offload, done=done, interrupted=interrupted, together=together, by=by)
     tl.check_leaks()
     if lost is not None:
         raise lost
-    if interrupted:
-        raise KeyboardInterrupt
+    if interrupted or stop.signum:
+        raise RunStopped(stop.signum or signal.SIGINT, together=together)
     return summary
 
 
@@ -268,15 +286,24 @@ def _resume(
     cfg: GRPOConfig, policy: Policy, prompts: PromptSource, rng: random.Random, rt: Runtime, say: Any
 ) -> int:
     """The step to start at: 0, or that of the checkpoint ``cfg.resume`` names, whose weights, optimizer
-    state, RNG, data position and loss scale are loaded (the reference stays the initial policy)."""
-    if cfg.resume is None:
-        return 0
+    state, RNG, data position and loss scale are loaded (the reference stays the initial policy); a
+    checkpoint of another run (``identity.py``) is refused before anything is loaded."""
     out = Path(cfg.out_dir)
+    if cfg.resume is None:
+        if (last := checkpoint.latest(out)) is not None:
+            say(f"{out} holds {last.name}: this run starts at step 0 (resume=auto would go on from it)")
+        return 0
     where = checkpoint.latest(out) if cfg.resume == "auto" else Path(cfg.resume)
     if where is None:
         say(f"resume=auto: no checkpoint in {out}; starting at step 0")
         return 0
-    st = checkpoint.load(where, model=policy.model, optimizer=policy.opt, world=rt.world)
+    st = checkpoint.load(
+        where,
+        model=policy.model,
+        optimizer=policy.opt,
+        world=rt.world,
+        accept=lambda state: identity.check_checkpoint(where, state.get("config"), cfg),
+    )
     checkpoint.set_rng_state(rng, st["rng"])
     prompts.load_state_dict(st.get("data"))
     if rt.scaler is not None and st.get("scaler"):
@@ -407,18 +434,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_offload:
         overrides.append("offload=false")
     try:
+        require("train", "yaml", what="rlmem train")  # the overrides are YAML scalars
         cfg = load(GRPOConfig, args.config, overrides)
+        # the rest of the extra this run imports (datasets, with data=FILE, is named where it is read)
+        bar = ("tqdm",) if cfg.progress and sys.stderr.isatty() else ()
+        require("train", "transformers", *bar, what="rlmem train")
     except ValueError as e:  # one line naming the key, as argparse would exit (2), without the usage block
         print(f"rlmem train: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    done = False
+    done, status = False, 0
     try:
         run(cfg)
         done = True
+    except RunStopped as e:  # 128 + the signal, what a scheduler reads as "stopped by it" (stop.py)
+        status = e.exit_status
+        done = e.together  # every rank stopped after the same step: they meet below like a finished run
     except ValueError as e:
         print(f"rlmem train: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before the loop began: nothing to save yet
         return 130
     except checkpoint.CheckpointError as e:
         print(f"rlmem train: error: {e}", file=sys.stderr)
@@ -450,5 +484,5 @@ def main(argv: list[str] | None = None) -> int:
         # the two-rank resume test on 2 cores), failing a run that had finished.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(status)
+    return status

@@ -174,16 +174,26 @@ class RunLog:
             self.loggers.close()
 
     def finish(
-        self, tl: MemoryTimeline, offload: bool, *, done: int, interrupted: bool, together: bool = True
+        self,
+        tl: MemoryTimeline,
+        offload: bool,
+        *,
+        done: int,
+        interrupted: bool,
+        together: bool = True,
+        by: str | None = None,
     ) -> dict[str, Any]:
         """The run's summary (written with the timeline, on the lead), the memory table, plot and reward.
         Under torchrun each rank writes its own timeline and, where the ranks ended ``together`` (not a
-        second Ctrl-C), the lead's summary and table have every rank's memory by phase."""
+        second Ctrl-C), the lead's summary and table have every rank's memory by phase. ``by``: the signal
+        that stopped the run (``"SIGTERM"``), also the summary's ``stopped_by``."""
         cfg, rt, out, say = self.cfg, self.rt, self.out, self.say
         wall = time.perf_counter() - self.t0
         summary = summarize(
             cfg, self.history, tl, offload, rt.precision, rt.world, rt.device, wall, self.evals
         )
+        if by is not None:
+            summary["stopped_by"] = by
         ranks: list[Any] = [summary["phases"]]
         if rt.world > 1 and together:
             ranks = [None] * rt.world
@@ -208,8 +218,9 @@ class RunLog:
                 f"reward: first 5 steps {summary['reward_first5']:.3f} -> last 5 steps "
                 f"{summary['reward_last5']:.3f} | {summary['wall_s']:.1f} s | logs in {out}"
             )
-        if interrupted:
-            say(f"interrupted after {done} steps: log, timeline and summary in {out}")
+        if interrupted or by is not None:
+            why = f" ({by})" if by is not None else ""
+            say(f"interrupted after {done} steps{why}: log, timeline and summary in {out}")
         return summary
 
 

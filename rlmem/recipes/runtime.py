@@ -1,12 +1,10 @@
-"""Where and how ``rlmem train`` computes: the device, this process's rank among the world of ranks,
-the precision (autocast and the fp16 loss scaler), and the Ctrl-C handling every rank agrees on."""
+"""Where and how ``rlmem train`` computes: the device, this process's rank among the world of ranks, and
+the precision (autocast and the fp16 loss scaler). Stopping a run on a signal is ``stop.py``'s."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import signal
-import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +15,7 @@ import torch.distributed as dist
 from .._dtypes import torch_dtype
 from .config import GRPOConfig
 
-__all__ = ["Runtime", "StopRequest", "local_rank", "rollout_dtype", "setup"]
+__all__ = ["Runtime", "local_rank", "rollout_dtype", "setup"]
 
 # The longest one rank waits on the control group for the others: a rollout, or a checkpoint's save.
 CTL_TIMEOUT_S = 1800.0
@@ -159,31 +157,3 @@ def _check_suspend(rt: Runtime, offloading: bool) -> None:
             f"loaded {drv.describe}. Load a newer libnccl with LD_PRELOAD before torch starts, or use "
             "comms='keep'"
         )
-
-
-class StopRequest:
-    """The first SIGINT asks the loop to stop after the step in flight (so a checkpoint of whole steps can be
-    written); a second one interrupts at once. Every rank stops at the same step: the request is
-    all-reduced at the end of each step."""
-
-    def __init__(self, say: Any) -> None:
-        self.requested = False
-        self._say = say
-        self._old: Any = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self._say("\nstopping after this step (Ctrl-C again to stop now)")
-
-    def agreed(self, rt: Runtime) -> bool:
-        flag = rt.all_reduce(torch.tensor([float(self.requested)]), op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-            self._old = None

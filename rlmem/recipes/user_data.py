@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._extras import need
+from .._tokenize import chat_ids
+
 __all__ = ["EXTENSIONS", "Example", "PromptData", "TextTokenizer", "as_text", "load_tokenizer"]
 
 # file suffix -> the datasets builder that reads it
@@ -78,10 +81,7 @@ class TextTokenizer:
         return list(self.tok(prompt, add_special_tokens=True)["input_ids"])
 
     def _template(self, messages: list[dict[str, Any]]) -> list[int]:
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
-            out = out["input_ids"]
-        return [int(i) for i in out]
+        return chat_ids(self.tok, [messages])[0]
 
     def decode(self, ids: list[int]) -> str:
         """Text of a completion, up to its EOS, special tokens left out."""
@@ -149,8 +149,7 @@ def _files(path: str) -> tuple[str, list[str]]:
 def _read(path: str) -> tuple[list[str], Any]:
     """The columns and rows of the data set at ``path``, through ``datasets``' local loaders."""
     kind, files = _files(path)
-    import datasets
-
+    datasets = need("datasets", extra="train", what=f"reading {path!r}")
     datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset(kind, data_files=files, split="train")

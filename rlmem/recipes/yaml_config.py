@@ -76,6 +76,23 @@ def load(cls: type[T], path: str | os.PathLike[str] | None, overrides: list[str]
     return cls(**values)
 
 
+def read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The mapping a YAML config file holds, as written (no dataclass: a run's saved ``config.yaml`` is read
+    back whatever keys it has).
+
+    Raises:
+        ValueError: the file is not YAML, or not a mapping.
+        OSError: it cannot be read.
+    """
+    try:
+        data = _parse(Path(path).read_text()) or {}
+    except _yaml().YAMLError as e:
+        raise ValueError(f"{str(path)!r} is not YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} must hold a mapping of keys to values")
+    return data
+
+
 def _scalar(raw: str) -> Any:
     """A command-line value as the config file's YAML would read it (``3e-4`` is a number)."""
     if not raw.strip():

@@ -20,6 +20,7 @@ __all__ = ["main", "serve_parser"]
 
 from .._dtypes import DTYPE_NAMES as DTYPES
 from .._dtypes import torch_dtype
+from .._extras import need
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -260,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
+    # before anything is loaded: without the extra, one line naming it rather than a traceback
+    need("fastapi", extra="serve", what="rlmem serve")
+    uvicorn = need("uvicorn", extra="serve", what="rlmem serve")
 
     from ..colocate import Member
     from .app import make_app
