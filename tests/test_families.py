@@ -1,8 +1,8 @@
 """``rlmem bench families`` off a GPU: ``rlmem train`` on a tiny random model of each family users train
-(Llama, Qwen2, Qwen3, Mistral, Gemma2, Phi-3, GPT-2, GPT-NeoX), saved with ``save_pretrained`` beside a
-tokenizer trained here, in fp32 for two steps each, and Qwen3 through ``rlmem serve`` equal to the
-in-process engine bit for bit. On the H100 the same benchmark runs every precision (``scripts/gpu_check.sh
-families``)."""
+(Llama, Qwen2, Qwen3, Mistral, Gemma2, Phi-3, GPT-2, GPT-NeoX, OLMo2, Gemma3 and the mixtures of experts
+Qwen3-MoE, Mixtral and Qwen2-MoE), saved with ``save_pretrained`` beside a tokenizer trained here, in fp32
+for two steps each, and Qwen3 through ``rlmem serve`` equal to the in-process engine bit for bit. On a GPU the
+same benchmark runs every precision (``scripts/gpu_check.sh families``)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,20 @@ def test_the_matrix_and_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             families.main(["--device", "cpu", "--families=qwen3", bad])
         assert msg in capsys.readouterr().err
+
+
+def test_the_moe_families_route_through_transformers_grouped_experts(tmp_path):
+    """The matrix's mixture-of-experts models, loaded as ``rlmem train`` loads them, have an experts module
+    of transformers' form in each layer, dispatched by its grouped GEMM (the path whose copy to the host
+    broke the sampler's CUDA graphs); its new dense families have none."""
+    import transformers
+
+    from rlmem.rollout._experts import experts_modules
+
+    tok, _ = families.tokenizer_and_data(tmp_path)
+    for family, n in (("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2), ("olmo2", 0), ("gemma3", 0)):
+        d = families.model_dir(family, tmp_path / family, tok)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(d))
+        assert len(experts_modules(model)) == n, family
+        if n:
+            assert model.config._experts_implementation == "grouped_mm", family

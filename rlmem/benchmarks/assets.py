@@ -27,9 +27,14 @@ _DECODER = dict(
     max_position_embeddings=256,
 )
 _GROUPED = dict(_DECODER, num_key_value_heads=2)
+# Mixture-of-experts layers: eight experts, two per token (transformers' defaults are the released models'
+# widths: Qwen3-MoE's 128 experts of 768, Qwen2-MoE's 60 of 1408 beside a shared expert of 5632).
+_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 # family -> (config class, model class, the config's sizes): two layers, four query heads over two KV heads
 # where the family groups them, the rest of each config its defaults (Gemma2's sliding window and soft
-# caps, Qwen3's query/key norms, Phi-3's fused projections, GPT-2's tied embeddings and learned positions).
+# caps, Qwen3's query/key norms, Phi-3's fused projections, GPT-2's tied embeddings and learned positions,
+# OLMo2's norms after attention and MLP, Gemma3's local and global layers; the experts of Qwen3-MoE, of
+# Mixtral, and of Qwen2-MoE beside its gated shared expert, dispatched by transformers' grouped GEMM).
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _GROUPED),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _GROUPED),
@@ -39,6 +44,19 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _GROUPED),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
     "gptneox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _DECODER),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _GROUPED),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_GROUPED, head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_GROUPED, head_dim=16, **_EXPERTS)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_GROUPED, num_local_experts=8, num_experts_per_tok=2),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(_GROUPED, shared_expert_intermediate_size=64, **_EXPERTS),
+    ),
 }
 
 

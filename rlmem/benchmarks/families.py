@@ -1,6 +1,7 @@
 """``rlmem train`` on every model family users train, at every precision the recipe offers: a matrix of
 two-step runs that keeps breaks like Qwen3's under autocast (its first rollout failed at bf16-mixed, the GPU
-default) from reaching users.
+default) or Qwen3-MoE's and Mixtral's (their experts' grouped GEMM, off torch's bf16 kernel, copied to the
+host in the sampler's CUDA-graph capture: fp32 weights under autocast, fp16) from reaching users.
 
 Each cell is ``rlmem train model=DIR data=FILE reward=rlmem.benchmarks.assets:text_reward steps=2 ...`` in
 a process of its own, on a tiny random model of the family saved with ``save_pretrained`` and a tokenizer

@@ -8,11 +8,13 @@ only, not the whole cache: at batch 64 the keys and values outweigh the weights,
 part of the cache would double a step's bytes. The cache's addresses never change, so the graphs survive
 its sleep and wake and the train phase between rollouts without re-capture; they are captured again only if
 the weights they read move (:meth:`DecodeGraphs.follow`). Every graph allocates from one private pool,
-counted from the allocator's segments. Without CUDA graphs the same buffers feed eager steps.
+counted from the allocator's segments. Without CUDA graphs the same buffers feed eager steps; a step whose
+warm-up ran but whose capture failed raises :class:`CaptureError` (the sampler then decodes eagerly).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +24,22 @@ from .._units import round_up
 from ._cache import Forward, RowViews
 from ._slots import decode_writes, row_bases, step_index
 
-__all__ = ["Decode", "DecodeGraphs", "length_block"]
+__all__ = ["CaptureError", "Decode", "DecodeGraphs", "length_block"]
+
+
+class CaptureError(RuntimeError):
+    """A decode step that ran eagerly could not be captured into a CUDA graph (the cause is chained): an op
+    that copies to the host or synchronises, or one the driver refuses in a capture."""
+
+
+def _not_captured(e: BaseException) -> BaseException:
+    """What a failed capture raises: a :class:`CaptureError` for an error of the step's ops; running out of
+    memory, an interrupt or an exit as they are."""
+    if not isinstance(e, Exception) or isinstance(e, torch.OutOfMemoryError):
+        return e
+    err = CaptureError(f"{type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
 
 
 def length_block(max_len: int, kv_block: int | None) -> int:
@@ -144,7 +161,11 @@ class DecodeGraphs:
     def capture_all(self, cache: Any, decoder: Callable[[int], Decode], forward: Forward) -> None:
         """Capture every graph not captured yet, each batch-size bucket over each cache-length bucket, of
         ``forward`` over ``cache``; ``decoder`` gives the buffers of a bucket (once the weights are where the
-        graphs will read them)."""
+        graphs will read them).
+
+        Raises:
+            CaptureError: a step could not be captured (the graphs captured before it are kept).
+        """
         views = RowViews(cache, self.batch_size, self.max_len)
         lengths = sorted({self.length(n) for n in range(1, self.max_len + 1)})
         try:
@@ -166,7 +187,11 @@ class DecodeGraphs:
     @torch.no_grad()  # with autograd on, the logits buffer would keep every graph's activations alive
     def capture(self, d: Decode, length: int, forward: Forward, *, count: bool = True) -> Any:
         """The graph of one decode step of ``forward`` from ``d``'s buffers over the first ``length`` cache
-        columns (the cache's views must span them), kept in ``d.graphs``."""
+        columns (the cache's views must span them), kept in ``d.graphs``.
+
+        Raises:
+            CaptureError: the step ran eagerly (its warm-up) but could not be captured.
+        """
         # Warm-up runs write this step's keys and values at the rows' columns (``_slots.decode_writes``, in
         # force wherever a step is captured): the replay rewrites the same ones.
         mask = d.mask[..., :length]
@@ -198,8 +223,15 @@ class DecodeGraphs:
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 d.logits.copy_(forward(d.ids, mask, d.pos))
-            finally:
+            except BaseException as e:
+                # An invalidated capture cannot end cleanly; ``e`` is what says why it failed.
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise _not_captured(e)  # noqa: B904 (the cause is chained there)
+            try:
                 graph.capture_end()
+            except Exception as e:
+                raise _not_captured(e)  # noqa: B904
         torch.cuda.current_stream(self.device).wait_stream(side)
         d.graphs[length] = graph
         self.captures += 1

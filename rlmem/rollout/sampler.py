@@ -12,10 +12,10 @@ sampling runs after each step on the device, with no host sync per token.
 
 This module is the facade: the constructor, the public methods, ``memory()``, sleep and wake, and the
 model's step (one forward under the swaps of ``_fused``, ``_gqa`` and ``_qkv``; a graph replay once
-captured). Beside it, one module per mechanism: the cache in its Region (``_cache``), the CUDA graphs and
-the length buckets (``_graphs``), the rollout copy and the FSDP twin (``_weights``), top-p and temperature
-sampling (``_sampling``), the decode loops of one batch at a time or kept full (``_generate``, over
-``_slots``).
+captured, with ``_experts``' swap for a mixture-of-experts model). Beside it, one module per mechanism: the
+cache in its Region (``_cache``), the CUDA graphs and the length buckets (``_graphs``), the rollout copy and
+the FSDP twin (``_weights``), top-p and temperature sampling (``_sampling``), the decode loops of one batch
+at a time or kept full (``_generate``, over ``_slots``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,11 +33,12 @@ from torch import nn
 from .._checks import check_choice, check_flag, check_tags
 from ..memory.region import Region
 from ._cache import batch_size_for, into_region, kv_bytes_per_token, probe, static_cache
+from ._experts import experts_modules, static_experts
 from ._fused import fused as _fused
 from ._fused import kernels
 from ._generate import OwnStream, Run, check_request, generate_batch, generate_full
 from ._gqa import grouped_decode
-from ._graphs import Decode, DecodeGraphs, length_block
+from ._graphs import CaptureError, Decode, DecodeGraphs, length_block
 from ._qkv import FusedQKV
 from ._sampling import eval_mode
 from ._weights import attached_state, check_rollout_dtype, copy_parameters, first_param, rollout_copy, sharded
@@ -57,7 +59,9 @@ class HFSampler:
             parameters' dtype.
         sync_every: tokens between the host checks that stop a batch once every row has ended.
         cuda_graphs: ``"auto"`` (default: on for CUDA), ``"on"`` or ``"off"``: decode steps as CUDA graph
-            replays.
+            replays. A mixture-of-experts model's experts run in the captured steps in a form with no host
+            copy wherever transformers' own dispatch has one (``_experts``); a model whose decode step still
+            cannot be captured decodes eagerly from then on, with a warning once.
         fused: ``"auto"`` (default: on with CUDA graphs), ``"on"`` or ``"off"``: run the RMSNorms, MLP gates
             and rotary embeddings of Llama-family models (Llama, Mistral, Qwen2, Qwen3) as one compiled kernel
             each while sampling (``_fused``), and their query, key and value projections as one GEMM over a
@@ -166,6 +170,10 @@ class HFSampler:
         self._set_up_cache(device, name, asleep)
         self.tokens_generated = 0
         self._graphs = DecodeGraphs(self.cuda_graphs, batch_size, max_len, kv_block, self.region.device)
+        # A mixture-of-experts model's experts run in a form a graph can capture in the captured steps
+        # (``_experts``); ``_all_static``: every one of them, once a capture with their own dispatch failed.
+        self._moe = self.cuda_graphs and bool(experts_modules(self._runner))
+        self._all_static = False
         self._own_stream = OwnStream(self.region.device)  # where the next generation runs (order_after)
 
     def _choose_paths(self, device: torch.device, cuda_graphs: str, fused: str) -> None:
@@ -361,14 +369,46 @@ class HFSampler:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.compute_dtype)
 
+    def _captured_step(
+        self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A decode step as the CUDA graphs capture it: ``_forward``, a mixture-of-experts model's experts in
+        a form with no host copy (``_experts``: transformers' grouped GEMM copies its offsets to the host
+        off torch's bf16 kernel)."""
+        if not self._moe:
+            return self._forward(ids, mask, pos)
+        with static_experts(self._runner, force=self._all_static):
+            return self._forward(ids, mask, pos)
+
+    def _capturing(self, capture: Any) -> Any:
+        """``capture()``'s result; if a step cannot be captured, once more with every expert of an MoE model
+        in the capturable form (its own dispatch was taken for capturable and was not), then None: the
+        decode steps run eagerly from now on, which a warning says once."""
+        while True:
+            try:
+                return capture()
+            except CaptureError as e:
+                if self._moe and not self._all_static:
+                    self._all_static = True
+                    continue
+                warnings.warn(
+                    f"HFSampler: a decode step of {type(self.model).__name__} cannot be captured into a CUDA "
+                    f"graph ({e}); its decode steps run eagerly from now on",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._graphs.release()
+                self.cuda_graphs = self._graphs.enabled = False
+                return None
+
     def _decode(self, d: Decode, length: int) -> torch.Tensor:
         """Logits of one decode step from ``d``'s buffers over the first ``length`` cache columns (a graph
         replay once captured). The cache's views must span ``length`` columns (``_cache.RowViews``)."""
-        if not self.cuda_graphs:
-            return self._forward(d.ids, d.mask[..., :length], d.pos)
-        graph = d.graphs.get(length)
+        graph = d.graphs.get(length) if self.cuda_graphs else None
+        if graph is None and self.cuda_graphs:
+            graph = self._capturing(lambda: self._graphs.capture(d, length, self._captured_step))
         if graph is None:
-            graph = self._graphs.capture(d, length, self._forward)
+            return self._forward(d.ids, d.mask[..., :length], d.pos)
         graph.replay()
         assert d.logits is not None
         return d.logits
@@ -408,7 +448,7 @@ class HFSampler:
         if self._qkv is not None:
             self._qkv.refresh(self._state)
         with eval_mode(self._runner):
-            self._graphs.capture_all(self.cache, self._decoder, self._forward)
+            self._capturing(lambda: self._graphs.capture_all(self.cache, self._decoder, self._captured_step))
         torch.cuda.synchronize(self.region.device)
         return time.perf_counter() - t0
 
