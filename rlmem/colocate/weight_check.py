@@ -264,11 +264,15 @@ def shadow_verify(
     saved: dict[str, Any] = {}
 
     def recorder(like: torch.Tensor, original: Callable[..., Any]) -> Callable[..., Any]:
-        def write(p: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def write(*args: Any, **kwargs: Any) -> Any:
+            # the parameter comes first, or by name (vLLM's fused experts: ``param=``)
+            p = kwargs["param"] if "param" in kwargs else args[0]
             key = id(p)
             if key not in shadows:
                 shadows[key] = _shadow_of(p, like, original)
-            return original(shadows[key], *args, **kwargs)
+            if "param" in kwargs:
+                return original(*args, **{**kwargs, "param": shadows[key]})
+            return original(shadows[key], *args[1:], **kwargs)
 
         return write
 
