@@ -1,13 +1,17 @@
 """HFSampler over mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE): greedy tokens equal to
 transformers' own at every precision the recipe offers; the experts' capturable form (``rollout/_experts.py``)
 computes what transformers' grouped dispatch computes; a decode step that cannot be captured runs eagerly with
-one warning; on a GPU the captured steps equal the eager ones at every precision."""
+one warning and leaves the process as it was (``rollout/_graphs.py``); on a GPU the captured steps equal the
+eager ones at every precision."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import functools
+import gc
+import inspect
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -18,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from _models import near_greedy, reference  # noqa: E402
 
-from rlmem.rollout import _experts  # noqa: E402
+from rlmem.rollout import _experts, _graphs  # noqa: E402
 from rlmem.rollout._graphs import CaptureError  # noqa: E402
 from rlmem.rollout.sampler import HFSampler  # noqa: E402
 
@@ -351,22 +355,158 @@ def test_moe_graphs_captured_up_front():
     assert s.captures == 9 and s.cuda_graphs
 
 
+def test_host_syncs_notes_the_calling_threads_own():
+    """``host_syncs`` notes each sync torch reports in the calling thread, where the code that called it is,
+    however often one line repeats it; another thread's, and other warnings, are shown as they would be; the
+    warning filters are as they were after the block."""
+    text = f"{_graphs._SYNC} (Triggered internally at aten/src/ATen/native/cuda/Copy.cu:1.)"
+    filters = list(warnings.filters)
+    lines = []
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")  # once per line, but for the syncs noted
+        with _graphs.host_syncs() as found:
+            for _ in range(2):
+                lines.append(inspect.currentframe().f_lineno + 1)
+                warnings.warn(text, UserWarning, stacklevel=1)
+            other = threading.Thread(target=warnings.warn, args=(text,))
+            other.start()
+            other.join()
+            warnings.warn("not a sync", DeprecationWarning, stacklevel=1)
+    here = inspect.currentframe().f_code.co_filename
+    assert found == [f"{here}:{n}" for n in lines] and lines[0] == lines[1]
+    assert [str(w.message) for w in shown] == [text, "not a sync"]
+    assert warnings.filters == filters
+    if torch.cuda.is_available():
+        assert torch.cuda.get_sync_debug_mode() == 0  # put back
+
+
+def test_gc_paused_puts_the_collector_back():
+    """No automatic collection within ``gc_paused``; after it, the collector as it was, an error or not."""
+    assert gc.isenabled()
+    with pytest.raises(KeyError), _graphs.gc_paused():
+        assert not gc.isenabled()
+        raise KeyError("in the block")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _graphs.gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+# tiny_qwen2's vocabulary has 14 tokens
+TINY_PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8], [11, 12], [13], [3, 3, 3, 3]]
+
+
+def _hook_that_waits(kind: str):
+    """A forward hook that makes a step uncapturable: it reads a value (``.item()``), copies to the host, or
+    synchronises the device while a capture is underway only (which torch's sync debug mode does not see)."""
+
+    def hook(module, args, out):
+        if kind == "item":
+            float(out[0].float().sum())
+        elif kind == "copy":
+            out[0].cpu()
+        elif torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+
+    return hook
+
+
 @pytest.mark.cuda
-def test_a_step_a_graph_cannot_capture_runs_eagerly_on_a_gpu():
-    """A decode step that synchronises with the host (a hook reading a value, as a data-dependent op does)
-    cannot be captured: the sampler says so once and decodes eagerly, the tokens the eager sampler's."""
+@pytest.mark.parametrize("kind", ["item", "copy", "sync_in_capture"])
+def test_a_step_that_cannot_be_captured_leaves_the_process_healthy(kind, monkeypatch):
+    """A decode step that waits for the device cannot be captured: the sampler says so once and decodes
+    eagerly, the tokens the eager sampler's. One that reads a value or copies to the host is found in its
+    warm-up, with where it does, before any capture (no graph pool made); one whose capture fails all the same
+    is undone. Then, in the same process: no memory of the failed capture's pool is held, another sampler
+    captures every step with no warning (greedy and sampled tokens the eager sampler's), and the default CUDA
+    generator draws for a seed what it drew before."""
     from _models import tiny_qwen2
 
+    pools: list = []
+    handle = torch.cuda.graph_pool_handle
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: pools.append(handle()) or pools[-1])
+    torch.manual_seed(11)
+    drawn = torch.rand(64, device="cuda")
     model = tiny_qwen2("cuda")
-    seen = []
-    model.model.layers[0].register_forward_hook(lambda m, i, o: seen.append(float(o[0].float().sum())))
     kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8)
-    want = HFSampler(model, cuda_graphs="off", fused="on", **kw).generate(
-        PROMPTS, max_new_tokens=8, temperature=0
-    )
+    eager = HFSampler(model, cuda_graphs="off", fused="on", **kw)
+    sampled = dict(temperature=1.0, top_p=0.9, seed=3)
+    want = eager.generate(TINY_PROMPTS, max_new_tokens=8, temperature=0)
+    want_sampled = eager.generate(TINY_PROMPTS, max_new_tokens=8, **sampled)
+
+    hook = model.model.layers[0].register_forward_hook(_hook_that_waits(kind))
     s = HFSampler(model, cuda_graphs="on", **kw)  # fused with graphs: its eager steps are the same kernels
-    with pytest.warns(RuntimeWarning, match="cannot be captured into a CUDA graph"):
-        assert s.generate(PROMPTS, max_new_tokens=8, temperature=0) == want
-    assert not s.cuda_graphs and s.graph_pool_bytes == 0
+    with pytest.warns(RuntimeWarning, match="cannot be captured into a CUDA graph") as caught:
+        assert s.generate(TINY_PROMPTS, max_new_tokens=8, temperature=0) == want
+    said = [str(w.message) for w in caught if "cannot be captured" in str(w.message)]
+    assert len(said) == 1 and not s.cuda_graphs and s.captures == 0 and s.graph_pool_bytes == 0
+    if kind == "sync_in_capture":
+        assert "captur" in said[0].split("CUDA graph", 1)[1].lower() and pools  # the capture's own error
+    else:
+        where = _hook_that_waits(kind).__code__.co_filename
+        assert f"{_graphs._SYNC} at {where}:" in said[0] and not pools
     with _no_fallback():
-        assert s.generate(PROMPTS, max_new_tokens=8, temperature=0) == want
+        assert s.generate(TINY_PROMPTS, max_new_tokens=8, temperature=0) == want
+    hook.remove()
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    held = {tuple(seg.get("segment_pool_id", ())) for seg in torch.cuda.memory_snapshot()}
+    assert not held & {tuple(p) for p in pools}
+    with _no_fallback():
+        g = HFSampler(model, cuda_graphs="on", **kw)
+        assert g.generate(TINY_PROMPTS, max_new_tokens=8, temperature=0) == want
+        assert g.generate(TINY_PROMPTS, max_new_tokens=8, **sampled) == want_sampled
+    assert g.cuda_graphs and g.captures > 0
+    torch.manual_seed(11)
+    assert torch.equal(torch.rand(64, device="cuda"), drawn)
+
+
+@pytest.mark.cuda
+def test_no_garbage_is_collected_inside_a_capture():
+    """Garbage found in the middle of a step waits for the capture's end: a finalizer that synchronises the
+    device (a dead sampler's Region does; this file's eager samplers are left in reference cycles) would
+    break the capture. Here every step leaves such a cycle and the collector looks after every allocation:
+    every step is captured all the same, with no warning, and every finalizer runs, none inside a capture."""
+    from _models import tiny_qwen2
+
+    ran: list[bool] = []
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            ran.append(torch.cuda.is_current_stream_capturing())
+            torch.cuda.synchronize()
+
+    made: list[int] = []
+
+    def leave_a_cycle(module, args, out):
+        made.append(1)
+        Cycle()
+
+    model = tiny_qwen2("cuda")
+    # fused off: nothing compiled while the collector runs that often
+    kw = dict(max_len=24, batch_size=4, pad_token_id=0, eos_token_id=2, kv_block=8, fused="off")
+    want = HFSampler(model, cuda_graphs="off", **kw).generate(TINY_PROMPTS, max_new_tokens=8, temperature=0)
+    hook = model.model.layers[0].register_forward_hook(leave_a_cycle)
+    thresholds = gc.get_threshold()
+    gc.collect()
+    # At every allocation: the young generations (a cycle outlives the collection its own allocation asks
+    # for, made in its constructor, so the next one finds it), not the process's old objects.
+    gc.set_threshold(1, 1, 1_000_000)
+    try:
+        with _no_fallback():
+            s = HFSampler(model, cuda_graphs="on", **kw)
+            got = s.generate(TINY_PROMPTS, max_new_tokens=8, temperature=0)
+    finally:
+        gc.set_threshold(*thresholds)
+        hook.remove()
+    gc.collect()
+    assert got == want and s.cuda_graphs and s.captures > 0
+    assert len(ran) == len(made) > 0 and not any(ran)

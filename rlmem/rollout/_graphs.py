@@ -8,14 +8,22 @@ only, not the whole cache: at batch 64 the keys and values outweigh the weights,
 part of the cache would double a step's bytes. The cache's addresses never change, so the graphs survive
 its sleep and wake and the train phase between rollouts without re-capture; they are captured again only if
 the weights they read move (:meth:`DecodeGraphs.follow`). Every graph allocates from one private pool,
-counted from the allocator's segments. Without CUDA graphs the same buffers feed eager steps; a step whose
-warm-up ran but whose capture failed raises :class:`CaptureError` (the sampler then decodes eagerly).
+counted from the allocator's segments. Without CUDA graphs the same buffers feed eager steps.
+
+A step that cannot be captured raises :class:`CaptureError` (the sampler then decodes eagerly), and leaves
+the process as it was: one that waits for the device (a copy to the host, ``.item()``) is found in its
+warm-up, under torch's sync debug mode, before any capture begins; a capture that fails all the same is
+undone (:meth:`DecodeGraphs.capture`). No garbage is collected during a capture: a finalizer run there (a
+dead sampler's Region synchronises the device and unmaps its memory) would break it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import gc
+import threading
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +48,99 @@ def _not_captured(e: BaseException) -> BaseException:
     err = CaptureError(f"{type(e).__name__}: {e}")
     err.__cause__ = e
     return err
+
+
+# What torch's sync debug mode says of an op that waits for the device (``warn_or_error_on_sync`` in
+# c10/cuda/CUDAFunctions.cpp, called by ``memcpy_and_sync`` and ``stream_synchronize``): a copy to or from
+# host memory without ``non_blocking``, ``.item()``, ``nonzero``. Not of ``torch.cuda.synchronize()``, an
+# event's ``synchronize()``, nor a ``non_blocking`` copy from pageable memory.
+_SYNC = "called a synchronizing CUDA operation"
+
+
+@contextlib.contextmanager
+def host_syncs() -> Iterator[list[str]]:
+    """Where this thread's ops wait for the device within the block: ``file:line`` of the Python code that
+    called each, as torch's sync debug mode reports them, in the list yielded.
+
+    The mode is set to ``"warn"`` for the block (and put back after), not ``"error"``: it is the process's,
+    and another thread's sync meanwhile is then only warned of instead of raising in that thread.
+    Warnings other than this thread's syncs pass through.
+    """
+    me = threading.get_ident()
+    found: list[str] = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=_SYNC)  # every one, not once per line
+        shown = warnings.showwarning
+
+        def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None):
+            if threading.get_ident() == me and _SYNC in str(message):
+                found.append(f"{filename}:{lineno}")
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        before = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
+        try:
+            if before is not None:
+                torch.cuda.set_sync_debug_mode("warn")
+            yield found
+        finally:
+            if before is not None:
+                torch.cuda.set_sync_debug_mode(before)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No automatic garbage collection within the block (as it was after it)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _stop_recording(device: int, pool: Any) -> None:
+    """End the caching allocator's recording into ``pool`` that a failed capture left, and drop the
+    reference to the pool its ``capture_begin`` took; nothing if it is not recording (the capture ended it).
+
+    ``CUDAGraph::capture_end`` (aten/src/ATen/cuda/CUDAGraph.cpp) raises at ``cudaStreamEndCapture`` for a
+    capture the driver invalidated, before it ends the recording: every later ``capture_begin`` into the
+    pool then fails ("already recording to mempool_id"), and ``torch.cuda.empty_cache()`` asserts that no
+    capture is underway. ``reset()`` drops the pool's reference only for a capture that ended.
+    """
+    # Its name before torch 2.8 was _cuda_endAllocateCurrentStreamToPool (where it takes no pool, nothing)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    end = end or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None)
+    try:
+        end(device, pool)  # type: ignore[misc]
+    except (RuntimeError, TypeError):
+        return
+    with contextlib.suppress(RuntimeError):
+        torch._C._cuda_releasePool(device, pool)
+
+
+def _end_rng_capture(device: torch.device) -> None:
+    """Take the device's default CUDA generator out of the capture mode a failed capture left it in (every
+    random op after it raised "Offset increment outside graph capture encountered unexpectedly").
+
+    ``capture_begin`` registers that generator with every graph and starts its capture, and only a capture
+    that ends stops it (``capture_epilogue``, from ``capture_end``; torch binds nothing else): so one of a
+    single kernel, in a pool of its own, on the current (side) stream, never replayed. Neither step touches
+    the generator's seed or offset.
+    """
+    scratch = torch.zeros((), device=device)
+    pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            scratch.add_(1)
+        finally:
+            graph.capture_end()
+    except Exception:
+        _stop_recording(torch.cuda.current_device(), pool)
 
 
 def length_block(max_len: int, kv_block: int | None) -> int:
@@ -190,7 +291,9 @@ class DecodeGraphs:
         columns (the cache's views must span them), kept in ``d.graphs``.
 
         Raises:
-            CaptureError: the step ran eagerly (its warm-up) but could not be captured.
+            CaptureError: the step waits for the device (found in its warm-up: no capture begun), or its
+                capture failed; that capture is undone, and the graphs captured before it are dropped (the
+                next capture starts a pool of its own).
         """
         # Warm-up runs write this step's keys and values at the rows' columns (``_slots.decode_writes``, in
         # force wherever a step is captured): the replay rewrites the same ones.
@@ -200,13 +303,19 @@ class DecodeGraphs:
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         side = self.stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
         with torch.cuda.stream(side):
-            # Twice before this sampler's first capture (lazy initialisation of the libraries), then once;
-            # each run writes the same column (the next would lie past the length bucket's view).
-            for _ in range(2 if self.captures == 0 else 1):
+            # Twice, each run writing the same column (the next would lie past the length bucket's view):
+            # once for the libraries' lazy set-up and the fused kernels' compilation, then as the capture
+            # will run it, watched for what a capture refuses, with no garbage collected (a finalizer's sync
+            # would be taken for the step's; see the module docstring for the capture's).
+            forward(d.ids, mask, d.pos)
+            with gc_paused(), host_syncs() as syncs:
                 out = forward(d.ids, mask, d.pos)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        current.wait_stream(side)
+        if syncs:
+            raise CaptureError(f"the step waits for the device: {_SYNC} at {syncs[0]}")
         if d.logits is None:  # outside the pool: every length's graph of these rows writes here
             d.logits = torch.empty_like(out)
         del out
@@ -217,27 +326,47 @@ class DecodeGraphs:
         # Captured on the side stream, not through ``torch.cuda.graph``: that empties PyTorch's device and
         # host caches before every capture, and the next warm-up then allocates all again from the driver
         # (most of a capture's time when the buckets are captured in a row).
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            # thread_local: another thread of the process (a server's) may call the driver meanwhile
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                d.logits.copy_(forward(d.ids, mask, d.pos))
-            except BaseException as e:
-                # An invalidated capture cannot end cleanly; ``e`` is what says why it failed.
-                with contextlib.suppress(Exception):
+        side.wait_stream(current)
+        try:
+            with gc_paused(), torch.cuda.stream(side):
+                # capture_end is called once: here, or by _abandon after an error between the two
+                began = ending = False
+                try:
+                    # thread_local: another thread of the process (a server's) may call the driver meanwhile
+                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    began = True
+                    d.logits.copy_(forward(d.ids, mask, d.pos))
+                    ending = True
                     graph.capture_end()
-                raise _not_captured(e)  # noqa: B904 (the cause is chained there)
-            try:
-                graph.capture_end()
-            except Exception as e:
-                raise _not_captured(e)  # noqa: B904
-        torch.cuda.current_stream(self.device).wait_stream(side)
+                except BaseException as e:
+                    self._abandon(graph, end=began and not ending)
+                    raise _not_captured(e)  # noqa: B904 (the cause is chained there)
+        finally:
+            current.wait_stream(side)
         d.graphs[length] = graph
         self.captures += 1
         if count:
             self.count_pool()
         return graph
+
+    def _abandon(self, graph: Any, *, end: bool) -> None:
+        """Undo a capture that failed, from its stream, so that the process goes on as before it began:
+        the stream's capture ended (``end``: an op raised in the middle of it; or the stream still
+        captures), the allocator's recording into the pool ended and the pool's reference the capture took
+        dropped (``_stop_recording``), the graphs and the pool forgotten (the next capture allocates from a
+        new pool: torch's pinned-host allocator also records per pool, with nothing in Python to end it),
+        the device's default generator out of capture mode (``_end_rng_capture``). Raises nothing: the
+        caller raises what made the capture fail."""
+        if end or torch.cuda.is_current_stream_capturing():
+            with contextlib.suppress(Exception):
+                graph.capture_end()  # ends the stream's capture even where it raises (an invalidated one)
+        device = torch.cuda.current_device()
+        _stop_recording(device, self.pool)
+        with contextlib.suppress(Exception):
+            graph.reset()
+        self.drop()
+        with contextlib.suppress(Exception):
+            _end_rng_capture(torch.device("cuda", device))
 
     def count_pool(self) -> None:
         """The pool's segments are reserved for the graphs alone and stay reserved while they live (through

@@ -388,18 +388,21 @@ class HFSampler:
             try:
                 return capture()
             except CaptureError as e:
-                if self._moe and not self._all_static:
-                    self._all_static = True
-                    continue
-                warnings.warn(
-                    f"HFSampler: a decode step of {type(self.model).__name__} cannot be captured into a CUDA "
-                    f"graph ({e}); its decode steps run eagerly from now on",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._graphs.release()
-                self.cuda_graphs = self._graphs.enabled = False
-                return None
+                # Its text only: the error's traceback holds what the failed step allocated in the graphs'
+                # pool, which the release below hands back once nothing holds it.
+                reason = str(e)
+            if self._moe and not self._all_static:
+                self._all_static = True
+                continue
+            warnings.warn(
+                f"HFSampler: a decode step of {type(self.model).__name__} cannot be captured into a CUDA "
+                f"graph ({reason}); its decode steps run eagerly from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._graphs.release()
+            self.cuda_graphs = self._graphs.enabled = False
+            return None
 
     def _decode(self, d: Decode, length: int) -> torch.Tensor:
         """Logits of one decode step from ``d``'s buffers over the first ``length`` cache columns (a graph
