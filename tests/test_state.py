@@ -230,6 +230,38 @@ def test_step_while_optimizer_offloaded_is_refused(device):
     opt.step()
 
 
+def test_a_category_comes_back_on_its_own_and_the_rest_stays_away(device):
+    # The weights back alone (an evaluation, a weight sync), the optimizer states kept in host memory until
+    # the step needs them: the same device addresses, forward allowed, step refused, and after the rest
+    # comes back the run is bit for bit the one without offload.
+    ref = _train(device, "adamw-foreach", steps=3)
+
+    def cycle(st, step):
+        model = st.model
+        before = {n: p.data_ptr() for n, p in model.named_parameters()}
+        opt_bytes = [r.used_bytes for r in st.regions("optimizer")]
+        st.offload(params="offload", grads="discard", optimizer="offload", blocking=True)
+        st.reload(optimizer=False, blocking=step % 2 == 0)
+        assert not st.paused("params") and st.paused("optimizer")
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+        assert all(r.paused for r in st.regions("optimizer")) and opt_bytes
+        with torch.no_grad():
+            model(_batches(1, device)[0])  # the weights are back: a forward runs
+        assert st.optimizer.state_dict()["state"]  # readable while away
+        with pytest.raises(RuntimeError, match=r"optimizer\.step\(\) was called while optimizer"):
+            st.optimizer.step()
+        st.reload(params=False, buffers=False, grads=False)  # the optimizer states alone
+        assert not st.paused("optimizer")
+        st.reload()
+        assert not any(st.paused(c) for c in ("params", "buffers", "grads", "optimizer"))
+
+    got = _train(device, "adamw-foreach", steps=3, cycle=cycle)
+    _assert_same(ref, got)
+    st = got[3]
+    with pytest.raises(ValueError, match="optimizer"):
+        st.reload(optimizer="no")
+
+
 def test_bad_arguments_are_named():
     model = make(0)
     with pytest.raises(ValueError, match=r"model must be a torch\.nn\.Module"):

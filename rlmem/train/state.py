@@ -394,8 +394,18 @@ class TrainState:
             s.check(pol)
         return pol
 
-    def reload(self, *, blocking: bool = False) -> None:
-        """Bring offloaded categories back: parameters first, optimizer states last.
+    def reload(
+        self,
+        *,
+        params: bool = True,
+        buffers: bool = True,
+        grads: bool = True,
+        optimizer: bool = True,
+        blocking: bool = False,
+    ) -> None:
+        """Bring offloaded categories back: parameters first, optimizer states last; those set False stay
+        away (a rollout or an evaluation that needs the weights only, the optimizer states left in host
+        memory until ``optimizer.step()`` needs them), with the same guards as after :meth:`offload`.
 
         Every reference that was pointed at the backup (and still is) is pointed back at the same device
         addresses as before the offload, so views and CUDA graphs taken in the train phase stay valid.
@@ -406,10 +416,23 @@ class TrainState:
         ``optimizer.state_dict()`` or :meth:`synchronize`) ``optimizer.state`` keeps pointing at the backup,
         which holds the same values.
 
+        Args:
+            params, buffers, grads, optimizer: whether each category comes back (default: all).
+            blocking: wait for the copies.
+
         Raises:
+            ValueError: an argument that is not a bool (named).
             OutOfMemoryError: the device cannot take a category back; categories already back stay back, the
                 rest stay offloaded and ``reload()`` can be retried after freeing memory.
+
+        Example:
+            >>> state.offload()                                # rollout
+            >>> state.reload(optimizer=False)                  # evaluation: the weights only
+            >>> state.reload()                                 # train: the rest, before optimizer.step()
         """
+        wanted = {"params": params, "buffers": buffers, "grads": grads, "optimizer": optimizer}
+        for name, flag in wanted.items():
+            check_flag(name, flag)
         check_flag("blocking", blocking)
         self._check_open()
         self._drain(CATEGORIES, host=False)
@@ -417,7 +440,7 @@ class TrainState:
         nbytes = 0
         try:
             for cat in CATEGORIES:
-                if not self.paused(cat):
+                if not wanted[cat] or not self.paused(cat):
                     continue
                 for region in self._kit.regions[cat]:
                     if region.paused:
