@@ -11,11 +11,14 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import torch
 
@@ -172,3 +175,59 @@ class JSONHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def serve_routes(outer: Any) -> tuple[ThreadingHTTPServer, str]:
+    """A stand-in server on 127.0.0.1 (a thread of its own), and its URL: each request is recorded in
+    ``outer.requests`` as (method, path, query, body) and answered with ``outer.route(method, path, query,
+    body)`` -> (code, body), a code of None closing the connection unanswered (a server that died); 401
+    where ``outer.token`` is set and the request does not carry it."""
+
+    class Handler(JSONHandler):
+        def do_GET(self):
+            self._route("GET")
+
+        def do_POST(self):
+            self._route("POST")
+
+        def _route(self, method: str) -> None:
+            u = urlparse(self.path)
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n)) if n else None
+            token = getattr(outer, "token", None)
+            if token and self.headers.get("Authorization") != f"Bearer {token}":
+                return self._answer(401, {"error": "unauthorized"})
+            outer.requests.append((method, u.path, parse_qs(u.query), body))
+            code, out = outer.route(method, u.path, parse_qs(u.query), body)
+            if code is None:
+                self.close_connection = True
+                return
+            self._answer(code, out)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def in_thread(fn: Any) -> tuple[threading.Thread, dict]:
+    """Run ``fn`` in a thread; (thread, box): box["out"] or box["error"], and box["t"] when it ended."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except Exception as e:
+            box["error"] = e
+        box["t"] = time.monotonic()
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th, box
+
+
+def read_text(path: Path) -> str:
+    """A file's text, "" while it does not exist (another process writes it)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

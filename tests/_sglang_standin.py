@@ -20,12 +20,10 @@ import tempfile
 import threading
 import time
 import types
-from http.server import ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
 
 import torch
-from _helpers import JSONHandler
+from _helpers import serve_routes
 from safetensors.torch import save_file
 
 from rlmem import Region
@@ -171,32 +169,8 @@ class SGLangStandIn:
         )
         Path(self.dir.name, "config.json").write_text(json.dumps(config or {"tie_word_embeddings": False}))
         self.model_path = self.dir.name
-        outer = self
-
-        class Handler(JSONHandler):
-            def do_GET(self):
-                self._route("GET")
-
-            def do_POST(self):
-                self._route("POST")
-
-            def _route(self, method: str) -> None:
-                u = urlparse(self.path)
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else None
-                if outer.token and self.headers.get("Authorization") != f"Bearer {outer.token}":
-                    return self._answer(401, {"error": "unauthorized"})
-                outer.requests.append((method, u.path, parse_qs(u.query), body))
-                code, out = outer.route(method, u.path, parse_qs(u.query), body)
-                if code is None:  # dead: the connection closes without an answer
-                    self.close_connection = True
-                    return
-                self._answer(code, out)
-
         self._take()  # it starts with its memory taken, and says nothing of it
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_routes(self)
 
     # -- memory ----------------------------------------------------------------------------------------
     def _take(self) -> None:

@@ -8,16 +8,13 @@ fence is seen to wait for the memory, not the answer."""
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
-from http.server import ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
 
 import pytest
 import torch
-from _helpers import JSONHandler
+from _helpers import serve_routes
 from _sglang_standin import SGLangStandIn, tiny_model
 
 from rlmem import Region
@@ -41,27 +38,7 @@ class StandIn:
         self.gen_s = 0.0  # how long a generation takes
         self.released: set[str] = set()  # vLLM's: the tags asleep
         self.abort_next = False  # the next completions come back aborted
-        outer = self
-
-        class Handler(JSONHandler):
-            def do_GET(self):
-                self._route("GET")
-
-            def do_POST(self):
-                self._route("POST")
-
-            def _route(self, method: str) -> None:
-                u = urlparse(self.path)
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else None
-                if outer.token and self.headers.get("Authorization") != f"Bearer {outer.token}":
-                    return self._answer(401, {"error": "unauthorized"})
-                outer.requests.append((method, u.path, parse_qs(u.query), body))
-                self._answer(*outer.route(method, u.path, parse_qs(u.query), body))
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_routes(self)
 
     def _take(self) -> None:
         if self.kv is None:

@@ -8,7 +8,6 @@ package index, Python < 3.11)."""
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
+from _helpers import in_thread, read_text  # noqa: E402
 from _vllm_server import Server, venv, with_rlmem  # noqa: E402
 
 from rlmem.benchmarks.assets import model_dir, tokenizer_and_data  # noqa: E402
@@ -74,22 +74,6 @@ def test_the_engine_protocol_against_the_real_server(vllm):
     assert engine.generate(PROMPTS, max_new_tokens=8) == first
 
 
-def _in_thread(fn):
-    """Run ``fn`` in a thread; (thread, box): box["out"] or box["error"], and box["t"] when it ended."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["out"] = fn()
-        except Exception as e:
-            box["error"] = e
-        box["t"] = time.monotonic()
-
-    th = threading.Thread(target=run)
-    th.start()
-    return th, box
-
-
 LONG = dict(max_new_tokens=200, ignore_eos=True)  # vLLM's: no early end, 200 tokens each
 # what vLLM's engine core logs when a sleep finds requests running and waits for them
 WAITED = "Waiting for in-flight requests to complete before sleeping"
@@ -100,13 +84,6 @@ def _until(what, timeout: float, why: str) -> None:
     while not what():
         assert time.monotonic() - t0 < timeout, why
         time.sleep(0.01)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
 
 
 def test_a_sleep_lets_the_generations_in_flight_finish(vllm, tmp_path):
@@ -130,12 +107,12 @@ def test_a_sleep_lets_the_generations_in_flight_finish(vllm, tmp_path):
 
     waited = waits()
     other = RemoteEngine(server.url, flavor="vllm", timeout=120.0)
-    th, box = _in_thread(lambda: other.generate(PROMPTS, **LONG, vllm_xargs={"hold": str(hold)}))
+    th, box = in_thread(lambda: other.generate(PROMPTS, **LONG, vllm_xargs={"hold": str(hold)}))
     sleeper = None
     try:
-        _until(lambda: _read(hold / "running") == str(len(PROMPTS)), 60, f"never both running: {box}")
+        _until(lambda: read_text(hold / "running") == str(len(PROMPTS)), 60, f"never both running: {box}")
         assert "t" not in box, box  # both running, and held there, as the sleep goes out
-        sleeper, slept_box = _in_thread(timed_sleep)
+        sleeper, slept_box = in_thread(timed_sleep)
         _until(lambda: waits() > waited, 60, f"the sleep never found them running:\n{server.tail()}")
     finally:
         (hold / "go").touch()  # never left held

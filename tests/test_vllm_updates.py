@@ -13,7 +13,6 @@ which finish on the old weights, unharmed. Skipped, saying why, only where the v
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from _helpers import in_thread, read_text  # noqa: E402
 from _vllm_server import Server, venv, with_rlmem  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -215,28 +215,6 @@ def test_bad_updates_are_refused_and_the_server_keeps_serving(served):
     engine.update_weights(SharedWeights(first, device="cpu"))
 
 
-def _in_thread(fn):
-    box: dict = {}
-
-    def run():
-        try:
-            box["out"] = fn()
-        except Exception as e:
-            box["error"] = e
-        box["t"] = time.monotonic()
-
-    th = threading.Thread(target=run)
-    th.start()
-    return th, box
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
 def test_an_update_waits_for_another_clients_requests(served, tmp_path):
     # Another client's requests are held in flight (tests/_vllm_hold.py: 0.1 s a step until DIR/go);
     # the update pauses the server with mode=wait: they finish, on the old weights, then it loads.
@@ -251,14 +229,14 @@ def test_an_update_waits_for_another_clients_requests(served, tmp_path):
     hold = tmp_path / "hold"
     hold.mkdir()
     other = RemoteEngine(server.url, flavor="vllm", timeout=120.0)
-    th, box = _in_thread(lambda: other.generate(ids, **long, vllm_xargs={"hold": str(hold)}))
+    th, box = in_thread(lambda: other.generate(ids, **long, vllm_xargs={"hold": str(hold)}))
     up = None
     try:
         t0 = time.monotonic()
-        while _read(hold / "running") != str(len(ids)):
+        while read_text(hold / "running") != str(len(ids)):
             assert time.monotonic() - t0 < 60 and "t" not in box, box
             time.sleep(0.01)
-        up, up_box = _in_thread(lambda: engine.update_weights(weights, verify=True))
+        up, up_box = in_thread(lambda: engine.update_weights(weights, verify=True))
         time.sleep(1.0)
         assert "t" not in up_box, up_box  # waiting for the other client's requests
         (hold / "go").touch()
