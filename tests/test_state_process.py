@@ -129,3 +129,42 @@ def test_one_gpu_on_nccl_matches_without_offload(kind, tmp_path):
     for grads in ("discard", "offload"):
         assert res[grads]["got"] == res[grads]["ref"], grads
         assert res[grads]["touched"] == [True] * 5, grads
+
+
+def _fsdp1(tmp_path, device: str, world: int) -> list[dict]:
+    out = tmp_path / "fsdp1.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = run_ranks(ROOT / "tests" / "_dist_fsdp1.py", str(out), device, str(world), timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    ("device", "world"),
+    [
+        ("cpu", 2),
+        *(pytest.param("cuda", *p.values, marks=[pytest.mark.cuda, *p.marks]) for p in gpu_worlds(2)),
+    ],
+)
+def test_fsdp1_flat_parameters_match_without_offload(tmp_path, device, world):
+    """FSDP1's FlatParameters (use_orig_params off and on, adopted before FSDP's lazy init and after a step),
+    gradients and AdamW states, offloaded and reloaded after every step: bit-equal to training without, in
+    Regions through FSDP's own rebinding, released by a blocking offload; unadoptable layouts refused."""
+    for rank in _fsdp1(tmp_path, device, world):
+        cases = {k: v for k, v in rank.items() if k.startswith("orig=")}
+        assert len(cases) == 9
+        for name, case in cases.items():
+            assert case["equal"], name
+            # one per step from adoption on, plus the two blocking offloads and, for offloaded
+            # gradients, the reads while away and the gradients in Regions after each reload
+            steps = 4 - int(name.split("adopt_at=")[1][0])
+            blocking = 2 if steps == 4 else 1
+            want = steps + blocking + (2 * steps if "grads=offload" in name else 0)
+            assert case["checks"] == [True] * want, name
+        assert "FlatParameters" in rank["discard_refused"]
+        for key, named in (
+            ("cpu_offload", "CPU offload"),
+            ("param_dtype", "param_dtype=torch.bfloat16"),
+            ("no_shard", "sharding_strategy=NO_SHARD"),
+        ):
+            assert named in rank[key] and rank[key].endswith("untouched=True"), key

@@ -24,8 +24,9 @@ What this module owns: the Regions by category (through ``_adopted.Adopted``), t
 category and the state machine of offload / reload / close, the operations in flight, and the stats (formed
 by ``_stats.py``). The hooks that refuse a forward pass, an optimizer step or a ``state_dict()`` on released
 state are ``_guards.py``'s, registered and kept up to date from here. What belongs to a stack (plain
-PyTorch, FSDP2 / DTensor, Megatron-Core) is found and adopted by that stack's source (``_plain.py``,
-``_dtensor.py``, ``_megatron.py``, the protocol in ``_source.py``), asked in the order of :data:`SOURCES`.
+PyTorch, FSDP1, FSDP2 / DTensor, Megatron-Core) is found and adopted by that stack's source (``_plain.py``,
+``_fsdp1.py``, ``_dtensor.py``, ``_megatron.py``, the protocol in ``_source.py``), asked in the order of
+:data:`SOURCES`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ..memory.region import Handle, Region
 from . import _holders
 from ._adopted import CATEGORIES, Adopted
 from ._dtensor import DTensorSource
+from ._fsdp1 import FlatParamSource
 from ._guards import Guards
 from ._holders import ViewHolders
 from ._megatron import MegatronSource
@@ -61,8 +63,9 @@ __all__ = [
 
 POLICIES = ("keep", "offload", "discard")
 # The stacks a TrainState adopts through, asked in this order: each takes what is its own and passes the
-# rest on (Megatron's buffers cover parameters that are plain tensors; DTensors before plain tensors).
-SOURCES: tuple[type[Source], ...] = (MegatronSource, DTensorSource, PlainSource)
+# rest on (Megatron's buffers cover parameters that are plain tensors; FSDP1's FlatParameters and DTensors
+# before plain tensors).
+SOURCES: tuple[type[Source], ...] = (MegatronSource, FlatParamSource, DTensorSource, PlainSource)
 
 
 def check_policy(name: str, value: object) -> str:
@@ -76,7 +79,10 @@ class TrainState:
         model: any ``nn.Module`` (or a list of them: Megatron's virtual-pipeline chunks), DDP- or
             FSDP2-wrapped too (DTensor parameters: each rank adopts its own shards, and FSDP's sharded
             storage is re-pointed so FSDP keeps working unchanged; gradients FSDP makes are adopted when
-            offloaded), or wrapped in Megatron-Core's ``DistributedDataParallel`` (its contiguous parameter
+            offloaded), FSDP1-wrapped (``FullyShardedDataParallel`` with FULL_SHARD or SHARD_GRAD_OP,
+            ``use_orig_params`` either way: each sharded ``FlatParameter``'s storage is re-pointed whole,
+            the original parameters' views included; CPU offload, ``param_dtype`` and other strategies are
+            refused), or wrapped in Megatron-Core's ``DistributedDataParallel`` (its contiguous parameter
             and gradient buffers are adopted whole, one storage each, and every view of them, ``main_grad``
             and the buckets' included, stays valid). Tied parameters keep one storage; frozen parameters
             count as params;
@@ -94,7 +100,8 @@ class TrainState:
 
     Raises:
         ValueError: the optimizer holds a parameter the model does not own, two parameters overlap in
-            memory without being the same tensor, or a parameter is of a kind that cannot be adopted.
+            memory without being the same tensor, a parameter is of a kind that cannot be adopted, or an
+            FSDP1 unit has a layout that cannot be (named; nothing is adopted).
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
