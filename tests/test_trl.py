@@ -33,17 +33,13 @@ def _reward(completions, **_):
     return [float(len(c) % 7) for c in completions]  # every character moves it
 
 
-def _train(path, out, *, callbacks=None, manage_it=False, resume=None, watch=None, rollout_func=None, **over):
-    """TRL's GRPOTrainer on the tiny model: (losses and gradient norms by step, final weights, trainer,
-    the managed callback)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _args(out, **over):
     cfg = dict(
         output_dir=str(out),
         per_device_train_batch_size=4,
         num_generations=4,
-        max_completion_length=8,
-        max_steps=3,
+        max_completion_length=4,
+        max_steps=1,
         learning_rate=1e-3,
         logging_steps=1,
         save_strategy="no",
@@ -53,10 +49,18 @@ def _train(path, out, *, callbacks=None, manage_it=False, resume=None, watch=Non
         bf16=False,
     )
     cfg.update(over)
+    return trl.GRPOConfig(**cfg)
+
+
+def _train(path, out, *, callbacks=None, manage_it=False, resume=None, watch=None, rollout_func=None, **over):
+    """TRL's GRPOTrainer on the tiny model: (losses and gradient norms by step, final weights, trainer,
+    the managed callback)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     trainer = trl.GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
         reward_funcs=[_reward, watch or _zero],
-        args=trl.GRPOConfig(**cfg),
+        args=_args(out, **{"max_completion_length": 8, "max_steps": 3, **over}),
         train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS]),
         processing_class=AutoTokenizer.from_pretrained(str(path)),
         callbacks=callbacks,
@@ -296,25 +300,6 @@ def _tiny_model(tok):
     )
     torch.manual_seed(0)
     return transformers.Qwen2ForCausalLM(cfg)
-
-
-def _args(out, **over):
-    cfg = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        bf16=False,
-    )
-    cfg.update(over)
-    return trl.GRPOConfig(**cfg)
 
 
 @pytest.mark.parametrize("bos", [True, False], ids=["adds-bos", "no-bos"])
