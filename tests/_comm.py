@@ -225,6 +225,12 @@ def worker(rank: int, world: int, mode: str, cycles: int, port: int, out: str) -
                     "free_rise": None if free0 is None else free1 - free0,
                 }
             )
+        # resume_on_use: the first collective on any of them brings them all back, then runs.
+        s = comm.suspend(method=method, resume_on_use=True)
+        res["on_use_suspended"] = sorted(s.groups)
+        check_collectives(rank, world, [pair], device)
+        res["on_use_after"] = comm.suspended()
+        check_collectives(rank, world, groups, device)
         res["methods_restored"] = dist.ProcessGroup.__dict__["allreduce"] is original
         res["guard_removed"] = registry.originals == {}
         res["rebuilt_objects"] = sum(registry.now(g) is not g for g in groups)

@@ -61,8 +61,9 @@ def test_ranks_host_stand_in(tmp_path, world, cycles):
         assert r["train_suspended"] == [] and len(r["rollout_suspended"]) == 1
         assert r["resumed_in_rollout"] == [] and r["train_after_resume"] == []  # pm.resume_comms()
         pair = r["rollout_suspended"][0]
-        # the cycles, then PhaseManager's two rollouts (the second resumed inside, not again at its train)
-        assert r["stats"][pair]["suspends"] == cycles + 2 and r["stats"][pair]["resumes"] == cycles + 2
+        # the cycles, one suspended with resume_on_use, then PhaseManager's two rollouts
+        assert r["stats"][pair]["suspends"] == cycles + 3 and r["stats"][pair]["resumes"] == cycles + 3
+        assert r["on_use_suspended"] == sorted(r["groups"]) and r["on_use_after"] == []
         assert r["methods"] == ["suspend"] * cycles and r["rebuilt_objects"] == 0 and not r["warnings"]
     # Every rank suspends the shared groups in the same order (NCCL synchronises inside each call).
     shared = [[c for c in r["calls_head"] if c[1] in ("0", ranks[0]["rollout_suspended"][0])] for r in ranks]
@@ -81,14 +82,14 @@ def test_two_ranks_host_rebuild_fallback(tmp_path):
         assert "'allreduce' cannot run" in r["guard"]
         # The ranks hold the original objects; each suspend found the backend of the latest rebuild (the
         # three groups' 50 cycles, then the pair's two PhaseManager rollouts).
-        assert r["rebuilt_objects"] == 3 and r["distinct_backends_seen"] == 3 * 50 + 2
+        assert r["rebuilt_objects"] == 3 and r["distinct_backends_seen"] == 3 * 51 + 2
         assert not r["methods_restored"] and r["restored_after_destroy"]
         # Warned once for each direction, naming the NCCL that would do better and the time taken.
         assert len(r["warnings"]) == 2, r["warnings"]
         assert "2.29.7" in r["warnings"][0] and "destroyed those of 3 group(s)" in r["warnings"][0]
         assert "rebuilt the communicators of 3 group(s) in" in r["warnings"][1]
         pair = r["rollout_suspended"][0]
-        assert r["train_suspended"] == [] and r["stats"][pair]["rebuilds"] == 52
+        assert r["train_suspended"] == [] and r["stats"][pair]["rebuilds"] == 53
         assert r["resumed_in_rollout"] == [] and r["train_after_resume"] == []
         assert r["stats"][pair]["method"] == "rebuild"
 
@@ -110,6 +111,7 @@ def test_gpus_suspend_resume_50_cycles(tmp_path, world):
         assert "'allreduce' cannot run" in r["guard"]
         assert r["methods_restored"] and r["guard_removed"]
         assert r["train_suspended"] == [] and r["resumed_in_rollout"] == [] == r["train_after_resume"]
+        assert r["on_use_suspended"] == sorted(r["groups"]) and r["on_use_after"] == []
 
 
 @pytest.mark.parametrize("world", gpu_worlds(2, 4))

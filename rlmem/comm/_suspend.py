@@ -9,7 +9,8 @@ as they are. The binding is to the libnccl torch loaded, and the communicators a
 Contract (as for any collective): every rank of a group calls ``suspend`` and ``resume`` for it, with the same
 groups in the same order; NCCL synchronises the ranks inside each call. Calls are idempotent per rank: a
 suspended group is not suspended again. While a group is suspended, calling one of its collectives through
-``torch.distributed`` raises :class:`GroupSuspendedError` instead of reaching NCCL. Collectives issued from
+``torch.distributed`` raises :class:`GroupSuspendedError` instead of reaching NCCL (or, for groups
+suspended with ``resume_on_use=True``, resumes them first). Collectives issued from
 C++ (functional collectives, compiled graphs) are not intercepted: suspend only groups those do not use.
 
 NCCL tracks (and so releases) its memory only with ``NCCL_CUMEM_ENABLE`` on, NCCL's default; with it off,
@@ -33,7 +34,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import check_choice
+from .._checks import check_choice, check_flag
 from .._results import Result
 from .._units import MiB
 from . import _nccl
@@ -161,6 +162,8 @@ class _Registry:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.suspended: dict[str, str] = {}  # group name -> "suspend" or "rebuild", while it is
+        # Suspended groups whose first collective resumes them (suspend(..., resume_on_use=True)).
+        self.on_use: set[str] = set()
         # id(group the program holds) -> (that group, the group object carrying its rebuilt communicators)
         self.current: dict[int, tuple[Any, Any]] = {}
         self.generation: dict[str, int] = {}
@@ -210,6 +213,7 @@ class _Registry:
         # The program shut ``pg`` down: nothing of it is suspended or forwarded any more.
         self.current.pop(id(pg), None)
         self.suspended.pop(pg.group_name, None)
+        self.on_use.discard(pg.group_name)
         self.remove_guard()
 
     def warn_once(self, kind: str, message: str) -> None:
@@ -273,6 +277,8 @@ def _wrap(name: str, orig: Any) -> Any:
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         gname = self.group_name
+        if refuse and gname in registry.on_use:
+            _resume_on_use()
         if gname in registry.suspended:
             if refuse:
                 raise GroupSuspendedError(
@@ -295,13 +301,25 @@ def _wrap(name: str, orig: Any) -> Any:
     return method
 
 
+def _resume_on_use() -> None:
+    """The first collective on a group suspended with ``resume_on_use``: every such group comes back, in the
+    order of the process's groups (the same on every rank), before the collective runs."""
+    import torch.distributed as dist
+
+    with registry.lock:
+        names = registry.on_use
+        todo = [pg for pg in dist.distributed_c10d._world.pg_map if pg.group_name in names]
+        if todo:
+            resume(todo)
+
+
 def suspended() -> list[str]:
     """Names of the process groups this rank has suspended."""
     with registry.lock:
         return list(registry.suspended)
 
 
-def suspend(group: Any = None, *, method: str = "auto") -> SuspendResult:
+def suspend(group: Any = None, *, method: str = "auto", resume_on_use: bool = False) -> SuspendResult:
     """Release the GPU memory of the NCCL communicators of ``group``, keeping the process groups.
 
     Args:
@@ -310,6 +328,10 @@ def suspend(group: Any = None, *, method: str = "auto") -> SuspendResult:
         method: ``"auto"`` (NCCL's suspend where the loaded NCCL has it, else the rebuild fallback),
             ``"suspend"`` (NCCL's suspend or an error) or ``"rebuild"`` (destroy the communicators now and
             build them again on resume).
+        resume_on_use: instead of refusing, the first collective called through ``torch.distributed`` on
+            any group suspended this way resumes all of them (in the process's group order) and then runs:
+            for a program whose ranks reach the same first collective, as SPMD training does, that cannot
+            track where its next phase starts. A collective issued from C++ is not seen (see above).
 
     Returns:
         a :class:`SuspendResult` for this call (freed bytes from the device's free memory before and after;
@@ -317,12 +339,13 @@ def suspend(group: Any = None, *, method: str = "auto") -> SuspendResult:
 
     Raises:
         ValueError: ``group`` is not a process group, a list of them or None; a group is not NCCL; ``method``
-            is not one of ``"auto"``, ``"suspend"``, ``"rebuild"``.
+            is not one of ``"auto"``, ``"suspend"``, ``"rebuild"``; ``resume_on_use`` is not a bool.
         RuntimeError: torch.distributed is not initialised; a group's communicator does not exist yet or
             reports pending or failed work (nothing is released then); ``method="suspend"`` and the loaded
             NCCL has no suspend API (older than 2.29.7).
     """
     check_choice("method", method, METHODS)
+    check_flag("resume_on_use", resume_on_use)
     with registry.lock:
         _initialized()
         drv = registry.get_driver()
@@ -376,6 +399,8 @@ def suspend(group: Any = None, *, method: str = "auto") -> SuspendResult:
                 rec["suspends"] += 1
                 freed += rec["freed_bytes"]
                 registry.suspended[g.group_name] = use
+                if resume_on_use:
+                    registry.on_use.add(g.group_name)
                 done.append(g.group_name)
                 if use == "suspend" and drv.mem_stat(c, _nccl.STAT_TOTAL) == 0:
                     warnings.warn(
@@ -439,6 +464,7 @@ def resume(group: Any = None) -> ResumeResult:
                 rec["resumes"] += 1
                 taken += max(0, before - drv.free_bytes())
                 del registry.suspended[name]
+                registry.on_use.discard(name)
                 done.append(name)
         finally:
             registry.remove_guard()
