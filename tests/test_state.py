@@ -262,6 +262,29 @@ def test_a_category_comes_back_on_its_own_and_the_rest_stays_away(device):
         st.reload(optimizer="no")
 
 
+def test_optimizer_on_step_holds_the_states_away_but_for_the_step(device):
+    # The states come back for each step() and go away after it: away through forward and backward, the run
+    # bit for bit the one without offload, and a state made without the option still refuses the step.
+    ref = _train(device, "adamw-foreach", steps=4)
+    seen = []
+
+    def cycle(st, step):
+        seen.append(st.paused("optimizer") or step == 0)  # the first step made the states on the device
+        st.offload(params="offload", grads="discard", optimizer="offload", blocking=True)
+        st.reload(optimizer=False)
+        assert st.paused("optimizer") and all(r.paused for r in st.regions("optimizer"))
+
+    got = _train(device, "adamw-foreach", steps=4, cycle=cycle, state_kwargs={"optimizer_on_step": True})
+    _assert_same(ref, got)
+    assert seen == [True] * 4
+    st = got[3]
+    assert st.paused("optimizer")  # after the last step, away again
+    st.reload()
+    assert not st.paused("optimizer")
+    with pytest.raises(ValueError, match="optimizer_on_step must be True or False"):
+        TrainState(make(0), optimizer_on_step="yes")
+
+
 def test_bad_arguments_are_named():
     model = make(0)
     with pytest.raises(ValueError, match=r"model must be a torch\.nn\.Module"):

@@ -96,6 +96,10 @@ class TrainState:
         grads: adopt the gradients (category ``"grads"``). False leaves them PyTorch's own, made by backward
             and freed by ``zero_grad()`` as without rlmem, for a loop that never offloads them: a Region
             would hold their bytes between steps, where PyTorch holds none.
+        optimizer_on_step: an ``optimizer.step()`` called while the optimizer states are offloaded brings
+            them back for the step and offloads them again after it (both blocking), instead of refusing
+            it: the states stay in host memory through the forward and backward passes, whose peak is
+            lower by their size, for a loop that reloads everything but the optimizer before training.
         name: a label for Regions, errors and stats.
 
     Raises:
@@ -119,6 +123,7 @@ class TrainState:
         *,
         buffers: bool = False,
         grads: bool = True,
+        optimizer_on_step: bool = False,
         name: str = "train",
     ) -> None:
         if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
@@ -138,7 +143,10 @@ class TrainState:
             )
         check_flag("buffers", buffers)
         check_flag("grads", grads)
+        check_flag("optimizer_on_step", optimizer_on_step)
         self._adopts_grads = grads
+        self._on_step = optimizer_on_step
+        self._stepping = False  # the states came back for this step and go away again after it
         self.model = model
         self.optimizer = optimizer
         self.name = name
@@ -178,6 +186,7 @@ class TrainState:
             hooks.append(opt.register_step_pre_hook(self._before_step))
             hooks.append(opt.register_state_dict_pre_hook(lambda *_: self._drain(("optimizer",), host=True)))
             hooks.append(opt.register_step_post_hook(lambda *_: self.adopt_optimizer_states()))
+            hooks.append(opt.register_step_post_hook(self._after_step))
         self.adopt_optimizer_states()
         guarded = [m for m in root.modules() if m._parameters or (buffers and m._buffers)]
         self._guards = Guards(name, self._policy, self.paused, self._param_ids, guarded, autograd_grads)
@@ -245,8 +254,16 @@ class TrainState:
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._on_step and self._policy["optimizer"] == "offload" and not self._closed:
+            self.reload(params=False, buffers=False, grads=False, optimizer=True, blocking=True)
+            self._stepping = True
         self._guards.before_step()
         self._drain(("grads", "optimizer"), host=False)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._stepping:
+            self._stepping = False
+            self.offload(params="keep", grads="keep", optimizer="offload", blocking=True)
 
     def _drain(self, categories: Iterable[str], *, host: bool) -> None:
         """Finish the operations in flight of ``categories``: ordered on the current stream, or with the
