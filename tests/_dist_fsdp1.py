@@ -38,6 +38,19 @@ def wrap(orig: bool, **kw: object) -> torch.nn.Module:
     return unit(model)
 
 
+def wrap_mixed(orig: bool, **kw: object) -> torch.nn.Module:
+    """FSDP1 with a bf16 ``param_dtype`` over fp32 shards, on a model whose activations stay bf16 inside."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(61, 24), torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 61)
+    ).to(DEVICE)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    unit = functools.partial(FSDP, use_orig_params=orig, device_id=DEVICE, mixed_precision=mp, **kw)
+    for i in (1, 3):
+        model[i] = unit(model[i])
+    return unit(model)
+
+
 def local(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """This rank's sharded flat parameters, their gradients and the optimizer's state tensors, as copies."""
     flats = [m._handle.flat_param for m in model.modules() if isinstance(m, FSDP) and m._handle is not None]
@@ -88,12 +101,12 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def train(
-    orig: bool, adopt_at: int | None, grads: str, checks: list[bool], **kw: object
+    orig: bool, adopt_at: int | None, grads: str, checks: list[bool], build=wrap, **kw: object
 ) -> list[torch.Tensor]:
     """Four steps of AdamW; with ``adopt_at``, a TrainState adopts the model before that step (0: before
     FSDP's lazy initialisation; 1: after a step, over FSDP's ``_local_shard``, the original parameters'
     views, gradients and optimizer states as they are then) and offloads and reloads after each step."""
-    model = wrap(orig, **kw)
+    model = build(orig, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     st = None
     g = torch.Generator().manual_seed(100 + dist.get_rank())  # each rank its own data: reduce-scatter matters
@@ -166,6 +179,15 @@ def worker(rank: int, world: int, port: int, out: str, device_kind: str) -> None
         ref = train(True, None, "offload", checks, **zero2)
         got = train(True, 1, "offload", checks, **zero2)
         res["orig=True grads=offload adopt_at=1 SHARD_GRAD_OP"] = {"equal": same(got, ref), "checks": checks}
+        # Mixed precision: FSDP all-gathers a bf16 copy of the fp32 shard that it makes and frees in forward.
+        for orig in (False, True):
+            checks = []
+            ref = train(orig, None, "offload", checks, build=wrap_mixed)
+            got = train(orig, 1, "offload", checks, build=wrap_mixed)
+            res[f"orig={orig} grads=offload adopt_at=1 param_dtype=bf16"] = {
+                "equal": same(got, ref),
+                "checks": checks,
+            }
         model = wrap(True)
         try:
             TrainState(model, None).offload(params="discard")
@@ -173,7 +195,6 @@ def worker(rank: int, world: int, port: int, out: str, device_kind: str) -> None
         except ValueError as e:
             res["discard_refused"] = str(e)
         res["cpu_offload"] = refusal(cpu_offload=CPUOffload(offload_params=True))
-        res["param_dtype"] = refusal(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
         res["no_shard"] = refusal(sharding_strategy=ShardingStrategy.NO_SHARD)
         gathered: list[object] = [None] * world
         dist.all_gather_object(gathered, res)

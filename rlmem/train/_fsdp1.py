@@ -10,8 +10,11 @@ the Region as well. Gradients (made by FSDP's reduce-scatter, replaced after ``z
 same way when they are offloaded; optimizer states are ordinary ``optimizer.state`` entries, keyed by the
 flat parameters or by the original ones, for the plain source.
 
-Layouts whose shard FSDP keeps elsewhere or copies around (CPU offload, a low-precision ``param_dtype``
-shard, hybrid and unsharded strategies, a unit caught unsharded) are refused at adoption, naming them.
+Mixed precision (``MixedPrecision(param_dtype=...)``) is adopted as it is: FSDP all-gathers from a
+low-precision copy of the shard (``_mp_shard``) that it makes from the full-precision shard at every forward
+and frees right after the all-gather, from PyTorch's allocator, so between steps the shard is all there is.
+Layouts whose shard FSDP keeps elsewhere (CPU offload, hybrid and unsharded strategies, a unit caught
+unsharded) are refused at adoption, naming them.
 """
 
 from __future__ import annotations
@@ -56,10 +59,13 @@ def _refusal(handle: Any) -> str | None:
             "CPU offload (cpu_offload=CPUOffload(offload_params=True)): FSDP keeps the shard in its own "
             "pinned host memory and copies it in at every forward"
         )
-    if handle._uses_param_mixed_precision:
+    mp = getattr(fp, "_mp_shard", None) if handle._uses_param_mixed_precision else None
+    if isinstance(mp, torch.Tensor) and mp.untyped_storage().size() != 0:
+        # FSDP remakes the low-precision copy of the shard it all-gathers from at every forward and frees it
+        # after the all-gather; held now, it is a unit caught inside forward or backward.
         return (
-            f"mixed precision param_dtype={handle._fwd_bwd_param_dtype}: FSDP all-gathers from a "
-            "low-precision copy of the shard (_mp_shard) that it remakes every forward"
+            "a unit holding its param_dtype copy of the shard (inside forward or backward); adopt it "
+            "between steps"
         )
     if strategy not in _SHARDED:
         return (
@@ -99,7 +105,7 @@ class FlatParamSource(Source):
             if why is not None:
                 raise ValueError(
                     f"TrainState {kit.name!r} cannot adopt this FullyShardedDataParallel model: {why}. "
-                    "Use FULL_SHARD or SHARD_GRAD_OP without CPU offload and without param_dtype, or FSDP2 "
+                    "Use FULL_SHARD or SHARD_GRAD_OP without CPU offload, or FSDP2 "
                     "(fully_shard)"
                 )
         self._flats = [h.flat_param for h in self._handles]
