@@ -65,14 +65,20 @@ def _same(a: dict[str, object], b: dict[str, object]) -> bool:
     )
 
 
-def train(kind: str, rank: int, device: str, offload: bool, grads: str, touched: list[bool]) -> list[float]:
+def train(
+    kind: str, rank: int, device: str, offload: bool, grads: str, touched: list[bool], adopt_at: int = 0
+) -> list[float]:
+    """Five steps, offloading and reloading after each from step ``adopt_at`` on (1: a TrainState made after
+    FSDP's lazy initialisation, as one is that adopts at the first offload)."""
     model = make(0, device, mixed=False)
     wrapped = wrap(kind, model, rank, device)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-    st = TrainState(wrapped, opt) if offload else None
+    st = None
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data: the all-reduce matters
     losses = []
     for step in range(5):
+        if offload and step == adopt_at:
+            st = TrainState(wrapped, opt)
         x = torch.randint(0, 61, (4, 9), generator=g).to(device)
         loss = wrapped(x).float().logsumexp(-1).mean()
         loss.backward()
@@ -112,6 +118,13 @@ def worker(rank: int, world: int, port: int, out: str, kind: str, backend: str, 
                 "got": train(kind, rank, device, True, grads, touched),
                 "touched": touched,
             }
+        # adopted after a step: FSDP's lazy initialisation done, its parameters' own local tensors re-pointed
+        touched = []
+        res["adopted later"] = {
+            "ref": res["offload"]["ref"],
+            "got": train(kind, rank, device, True, "offload", touched, adopt_at=1),
+            "touched": touched,
+        }
         model = wrap(kind, make(0, device, mixed=False), rank, device)
         res["discard_refused"] = ""
         try:

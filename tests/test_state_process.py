@@ -105,6 +105,9 @@ def test_two_ranks_on_gloo_match_without_offload(kind, tmp_path):
     for grads in ("discard", "offload"):
         assert res[grads]["got"] == res[grads]["ref"], grads  # after reading the offloaded state, too
         assert res[grads]["touched"] == [True] * 5, grads  # read while offloaded: what it was before
+    # adopted after a step (FSDP2 lazily initialised: its parameters' own local tensors re-pointed too)
+    assert res["adopted later"]["got"] == res["adopted later"]["ref"]
+    assert res["adopted later"]["touched"] == [True] * 4
     if kind == "fsdp":  # FSDP's sharded storage cannot be a placeholder
         assert "DTensors" in res["discard_refused"]
     else:
@@ -126,9 +129,9 @@ def test_one_gpu_on_nccl_matches_without_offload(kind, tmp_path):
     """FSDP2's sharded storage and DDP's hooks on a GPU: the re-pointing machinery of the two-GPU test, on the
     one GPU every lent machine has."""
     res = _dist(kind, "nccl", "cuda", tmp_path, world=1)
-    for grads in ("discard", "offload"):
+    for grads in ("discard", "offload", "adopted later"):
         assert res[grads]["got"] == res[grads]["ref"], grads
-        assert res[grads]["touched"] == [True] * 5, grads
+        assert res[grads]["touched"] == [True] * (4 if grads == "adopted later" else 5), grads
 
 
 def _fsdp1(tmp_path, device: str, world: int) -> list[dict]:

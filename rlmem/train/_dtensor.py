@@ -75,9 +75,11 @@ class DTensorSource(Source):
         sharded = [p for p in params if is_dtensor(p.data)]
         if sharded:
             holders = fsdp_holders(self._root)
-            self.kit.repoint(
-                "params", storage_groups([(local(p.data), holders.get(id(p), [])) for p in sharded])
-            )
+            # The parameter's own local tensor, not ``p.data``'s: ``p.data`` of a DTensor parameter is a new
+            # DTensor over a new local tensor object (same storage), and re-pointing that alias would leave
+            # the parameter, which the optimizer updates, on the old memory while FSDP all-gathers from the
+            # new (FSDP's lazy initialisation happens to re-sync the two, so only adoption after it shows it).
+            self.kit.repoint("params", storage_groups([(local(p), holders.get(id(p), [])) for p in sharded]))
         return [p for p in params if not is_dtensor(p.data)]
 
     def adopt_grads(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
