@@ -25,6 +25,7 @@ _BENCHES = (
     "families",
     "trl",
     "verify",
+    "verl",
 )
 
 

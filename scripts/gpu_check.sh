@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-verify|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu|server-gpus|comm-gpus|tests-gpus|megatron-4] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-verify|bench-verl|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu|server-gpus|comm-gpus|tests-gpus|megatron-4] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -252,6 +252,19 @@ if [[ $what == all || $what == bench || $what == bench-verify ]]; then
   # the weight update's verification without vLLM (rlmem/benchmarks/verify.py), bf16 and fp32
   python3 -m rlmem bench verify --machine "$name" --json "$OUT/verify-$name.json" 2>&1 | tee "$OUT/bench_verify.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == bench-verl ]]; then
+  # verl's FSDP engine through rlmem against verl's own offload (carry verl's wheel and what its engine modules
+  # import in .whl: docs/verl.md), the pinned link of rlmem bench region in the same call, then the CUDA tests of
+  # TrainState (VERL_TESTS=0 skips them); args go to rlmem bench verl.
+  python3 -m rlmem bench verl --machine "$name" --json "$OUT/verl-$name.json" "$@" 2>&1 | tee "$OUT/bench_verl.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  python3 -m rlmem bench region --machine "$name" --json "$OUT/region-$name.json" 2>&1 | tee "$OUT/bench_region.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  if [[ ${VERL_TESTS:-1} == 1 ]]; then
+    python3 -m pytest tests/test_state.py tests/test_state_process.py -q -m cuda 2>&1 | tee "$OUT/tests_state_cuda.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  fi
 fi
 if [[ $what == bench-vmm ]]; then
   python3 -m rlmem bench vmm_calls --machine "$name" --json "$OUT/vmm_calls-$name.json" "$@" 2>&1 | tee "$OUT/bench_vmm_calls.log"

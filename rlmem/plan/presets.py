@@ -49,6 +49,8 @@ QWEN2 = {
         max_position_embeddings=512,
     ),
 }
+# Qwen2.5-3B's shape (the 2.5B preset's layers, 36 of them): 3.1B parameters.
+QWEN2["qwen2-3b"] = {**QWEN2["qwen2-2.5b"], "num_hidden_layers": 36}
 # Qwen2's 2.5B shape with one KV head per query head (as Qwen1.5): 8x the KV cache per token, so a KV budget
 # of tens of GiB fills with a rollout that one step can also train on in a benchmark.
 QWEN2["qwen2-2.7b-mha"] = {**QWEN2["qwen2-2.5b"], "num_key_value_heads": 16}
