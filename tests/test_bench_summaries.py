@@ -1,4 +1,5 @@
-"""Benchmark summaries: the figures targets are checked against, formed from rows (synthetic here)."""
+"""Benchmark summaries: the figures targets are checked against, formed from rows (synthetic here, or a
+committed result's)."""
 
 from __future__ import annotations
 
@@ -510,3 +511,23 @@ def test_every_committed_result_names_its_machine_and_is_in_the_index():
         assert all(data.get(k) for k in ("date", "versions", "device")), f.name
         assert f.name.endswith(f"-{data['machine']}.json"), f.name
         assert f"`{f.name}`" in index, f"{f.name} is not in docs/benchmarks.md's index"
+
+
+def test_verl_summary_from_the_committed_rows_and_a_part_that_diverges():
+    import json
+
+    from rlmem.benchmarks import verl
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "verl-nvidia-h200-x1.json"
+    data = json.loads(path.read_text())
+    rows = [r for r in data["results"] if "error" not in r]
+    by = {r["part"]: dict(r) for r in rows}
+    got = verl.summarize(by, data["config"]["parts"], data["pinned_link"])
+    assert got == pytest.approx(data["summary"])
+    # a part whose stage hashes differ from the reference's, or one that did not finish: not bit-identical
+    by["rlmem"]["hashes"] = {**by["rlmem"]["hashes"], "update": "0"}
+    assert verl.summarize(by, data["config"]["parts"], data["pinned_link"])["bit_identical"] == 0.0
+    assert by["rlmem"]["equals_reference"] is False and by["verl"]["equals_reference"] is True
+    del by["rlmem"]
+    short = verl.summarize(by, data["config"]["parts"], data["pinned_link"])
+    assert short["bit_identical"] == 0.0 and "steady_vs_verl" not in short

@@ -91,7 +91,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _state_tensors(e: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    params = [_local(p.data) for p in e.module.parameters()]
+    # the parameters' own local tensors (``p.data`` of a DTensor is an alias, a new tensor object)
+    params = [_local(p) for p in e.module.parameters()]
     states = [
         _local(v)
         for p in e.module.parameters()
@@ -227,6 +228,8 @@ def _part(name: str, preset: str, cycles: int, frag_cycles: int, port: int) -> d
     pbytes = sum(t.numel() * t.element_size() for t in params)
     obytes = sum(t.numel() * t.element_size() for t in states)
     out.update(param_bytes=pbytes, optimizer_bytes=obytes, tensors=len(params) + len(states))
+    # held here, they would keep verl's offloaded device tensors alive (it replaces them with new ones)
+    del params, states
     rss0, avail0 = _meminfo("VmRSS"), _meminfo("MemAvailable")
 
     def off() -> None:
@@ -303,8 +306,8 @@ def _part(name: str, preset: str, cycles: int, frag_cycles: int, port: int) -> d
         per_token = (torch.cuda.max_memory_allocated(device) - base) / probe
         del loss
         e.optimizer_zero_grad()
-    seq = 4096
-    rows = max(1, -(-int(1.3 * obytes / per_token) // seq))
+    # one sequence whose activations are 1.3x the optimizer states (rounded up to 256 tokens)
+    rows, seq = 1, max(256, -(-int(1.3 * obytes / per_token) // 256) * 256)
     out.update(update_rows=rows, update_seq=seq, activation_bytes_per_token=per_token)
     torch.cuda.empty_cache()
     base_used = torch.cuda.mem_get_info(device)[1] - torch.cuda.mem_get_info(device)[0]
@@ -324,6 +327,38 @@ def _part(name: str, preset: str, cycles: int, frag_cycles: int, port: int) -> d
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
+
+
+def summarize(by: dict[str, dict[str, Any]], parts: list[str], link: dict[str, float]) -> dict[str, Any]:
+    """The summary of the parts that finished (``by`` part name; each is marked ``equals_reference``):
+    rlmem's steady rates against the pinned ``link``, rlmem against verl side by side, ``step`` against
+    rlmem, and whether every part asked for ran and equals the reference at every stage."""
+    ref = by.get("none")
+    for r in by.values():
+        r["equals_reference"] = None if ref is None else r["hashes"] == ref["hashes"]
+    ours, theirs, step = by.get("rlmem"), by.get("verl"), by.get("rlmem-step")
+    summary: dict[str, Any] = {}
+    if ours:
+        summary["offload_vs_pinned"] = ours["offload_gbps"] / link["d2h_gbps"]
+        summary["reload_vs_pinned"] = ours["reload_gbps"] / link["h2d_gbps"]
+    if ours and theirs:
+        summary["steady_vs_verl"] = _ratio(
+            theirs["offload_s"] + theirs["reload_s"], ours["offload_s"] + ours["reload_s"]
+        )
+        summary["first_cycle_speedup_vs_verl"] = _ratio(
+            theirs["first_offload_s"] + theirs["first_reload_s"],
+            ours["first_offload_s"] + ours["first_reload_s"],
+        )
+        summary["host_bytes_vs_verl"] = _ratio(ours["host_bytes"], theirs["host_bytes"])
+        summary["fragmentation_vs_verl"] = _ratio(ours["frag_after_step"], theirs["frag_after_step"])
+    if ours and step:
+        summary["update_peak_drop_vs_optimizer"] = (
+            ours["update_peak_bytes"] - step["update_peak_bytes"]
+        ) / ours["optimizer_bytes"]
+    summary["bit_identical"] = float(
+        ref is not None and len(by) == len(parts) and all(r["equals_reference"] for r in by.values())
+    )
+    return {k: v for k, v in summary.items() if v is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,33 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     cols += [("host_bytes", "host B", ".3g"), ("frag_after_step", "frag B", ".3g")]
     cols += [("update_peak_bytes", "update peak B", ".3g"), ("equals_reference", "= none", "")]
     by = {r["part"]: r for r in rows if "error" not in r}
-    ref = by.get("none")
-    for r in by.values():
-        r["equals_reference"] = None if ref is None else r["hashes"] == ref["hashes"]
+    summary = summarize(by, parts, link)
     print(format_table(list(by.values()), cols))
-    ours, theirs, step = by.get("rlmem"), by.get("verl"), by.get("rlmem-step")
-    summary: dict[str, Any] = {}
-    if ours:
-        summary["offload_vs_pinned"] = ours["offload_gbps"] / link["d2h_gbps"]
-        summary["reload_vs_pinned"] = ours["reload_gbps"] / link["h2d_gbps"]
-    if ours and theirs:
-        summary["steady_vs_verl"] = _ratio(
-            theirs["offload_s"] + theirs["reload_s"], ours["offload_s"] + ours["reload_s"]
-        )
-        summary["first_cycle_speedup_vs_verl"] = _ratio(
-            theirs["first_offload_s"] + theirs["first_reload_s"],
-            ours["first_offload_s"] + ours["first_reload_s"],
-        )
-        summary["host_bytes_vs_verl"] = _ratio(ours["host_bytes"], theirs["host_bytes"])
-        summary["fragmentation_vs_verl"] = _ratio(ours["frag_after_step"], theirs["frag_after_step"])
-    if ours and step:
-        summary["update_peak_drop_vs_optimizer"] = (
-            ours["update_peak_bytes"] - step["update_peak_bytes"]
-        ) / ours["optimizer_bytes"]
-    summary["bit_identical"] = float(
-        ref is not None and len(by) == len(parts) and all(r["equals_reference"] for r in by.values())
-    )
-    summary = {k: v for k, v in summary.items() if v is not None}
     run.finish(
         summary,
         config={

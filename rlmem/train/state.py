@@ -255,6 +255,10 @@ class TrainState:
     # -- hooks ---------------------------------------------------------------------------------------
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._on_step and self._policy["optimizer"] == "offload" and not self._closed:
+            if any(r.device.type == "cuda" for r in self._kit.regions["optimizer"]):
+                # the blocks PyTorch cached for the forward's and backward's activations go back to the
+                # driver first: the states take their place instead of adding to them
+                torch.cuda.empty_cache()
             self.reload(params=False, buffers=False, grads=False, optimizer=True, blocking=True)
             self._stepping = True
         self._guards.before_step()
