@@ -108,7 +108,7 @@ def tiny_qwen2() -> torch.nn.Module:
     return transformers.Qwen2ForCausalLM(cfg).float()
 
 
-def wrap(model: torch.nn.Module, kind: str, world: int) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, kind: str, world: int, **fsdp1: Any) -> torch.nn.Module:
     layers = list(model.model.layers)
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -133,33 +133,19 @@ def wrap(model: torch.nn.Module, kind: str, world: int) -> torch.nn.Module:
         sharding_strategy=ShardingStrategy.FULL_SHARD,
         device_id=torch.device("cpu"),
         use_orig_params=False,
+        **fsdp1,
     )
 
 
-def engine(kind: str, world: int, offload: bool) -> Any:
-    """verl's FSDPEngineWithLMHead over a freshly wrapped tiny Qwen2 with AdamW, its attributes set as
-    ``FSDPEngine.__init__`` and ``initialize`` set those its offload, modes, weight sync and step read."""
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+def engine(kind: str, world: int, offload: bool, **fsdp1: Any) -> Any:
+    """verl's FSDPEngineWithLMHead (made as ``rlmem bench verl`` makes it) over a freshly wrapped tiny Qwen2
+    with AdamW."""
+    from rlmem.benchmarks.verl import fsdp_engine
 
     model = tiny_qwen2()
-    module = wrap(model, kind, world)
-    e = object.__new__(FSDPEngineWithLMHead)
-    e.module = module
-    e.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    e.lr_scheduler = None
-    e.engine_config = types.SimpleNamespace(forward_only=False, fsdp_size=world)
-    e.optimizer_config = types.SimpleNamespace(clip_grad=1.0)
-    e.model_config = types.SimpleNamespace(lora={}, hf_config=model.config)
-    e.mode = None
-    e.rank = dist.get_rank()
-    e.scaler = None
-    e.ulysses_parallel_group = None
-    e._is_offload_param = offload
-    e._is_offload_optimizer = offload
-    e._uses_fsdp2_cpu_offload_policy = False
-    e._qat_enabled = False
-    e._is_lora = False
-    return e
+    module = wrap(model, kind, world, **fsdp1)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    return fsdp_engine(module, opt, model.config, offload=offload, world=world)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -409,6 +395,19 @@ def worker(rank: int, world: int, port: int, out: str, kind: str) -> None:
         res["sent names"] = sorted(got["sent"][0])
         res["final equal"] = same(ref["final"], got["final"])
         res["final tensors"] = len(got["final"])
+        if kind == "fsdp1":
+            # a layout TrainState cannot adopt: refused at verl's first offload, naming it, nothing moved
+            from torch.distributed.fsdp import CPUOffload
+
+            e = engine(kind, world, True, cpu_offload=CPUOffload(offload_params=True))
+            where = [p.data_ptr() for p in e.module.parameters()]
+            try:
+                e.to("cpu", model=True, optimizer=True, grad=True)
+                res["refusal"] = ""
+            except ValueError as err:
+                res["refusal"] = str(err)
+            res["refused untouched"] = [p.data_ptr() for p in e.module.parameters()] == where
+            res["refused adopted"] = rv.state_of(e) is not None
         if comms:
             res["rollout calls"] = getattr(switch_to_rollout, "calls", [])
         gathered: list[Any] = [None] * world

@@ -75,6 +75,10 @@ def test_verl_engines_offload_through_rlmem_bit_for_bit(python, tmp_path, case):
         assert checks["adopted at initialize"] == [True]
         assert all(v == [True] * 3 for k, v in checks.items() if k != "adopted at initialize"), checks
         assert len(checks) >= 6
+        if kind == "fsdp1":  # FSDP1 with CPU offload: refused at verl's first offload, nothing touched
+            assert "cannot adopt verl's FSDPEngineWithLMHead" in r["refusal"]
+            assert "CPU offload" in r["refusal"] and "VERL_USE_EXTERNAL_MODULES" in r["refusal"]
+            assert r["refused untouched"] and not r["refused adopted"]
 
 
 def _opt(extra: dict[str, str]) -> dict[str, str]:

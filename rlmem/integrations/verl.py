@@ -203,13 +203,23 @@ def _adopt(engine: Any) -> TrainState | None:
     with _lock:
         state = _states.get(id(module))
         if state is None:
+            name = type(engine).__name__
+            if getattr(engine, "_uses_fsdp2_cpu_offload_policy", False):
+                raise ValueError(
+                    f"rlmem.integrations.verl cannot adopt verl's {name}: FSDP2's CPUOffloadPolicy "
+                    "(fsdp_config.offload_policy) keeps its parameters in host memory already; turn it off "
+                    "for rlmem to offload them, or unset VERL_USE_EXTERNAL_MODULES"
+                )
             optimizer = getattr(engine, "optimizer", None)
-            state = TrainState(
-                module,
-                optimizer,
-                optimizer_on_step=settings().optimizer == "step",
-                name=f"verl {type(engine).__name__}",
-            )
+            try:
+                state = TrainState(
+                    module, optimizer, optimizer_on_step=settings().optimizer == "step", name=f"verl {name}"
+                )
+            except ValueError as e:
+                raise ValueError(
+                    f"rlmem.integrations.verl cannot adopt verl's {name}: {e}. Unset "
+                    "VERL_USE_EXTERNAL_MODULES for verl's own offload"
+                ) from e
             for obj in (module, optimizer):
                 if obj is not None:
                     _states[id(obj)] = state
