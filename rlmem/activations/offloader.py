@@ -28,12 +28,12 @@ Mechanics (why each is there):
 
 What this module owns: the public entry, :func:`offload_activations` (its arguments checked, the model's
 module map found), and the names other modules import from here. The handle it returns (``_handle``: one
-step's state, the scopes' side of the hooks, the budget mode's choice per step, the context), its
-saved-tensor hooks and the release order of what they offload (``_packing``), its figures (``_stats``), the
-scopes' hooks (``_scopes``, called through its ``Host`` protocol), the saved-tensor records (``_saved``), the
-copies per backend (``_transfer``), the host pool (``_pool``), the budget planner (``_budget``) and the
-budget mode's per-step loop (``_autoplan``, which reads a step's ``StepTimes``) are their own modules, none
-of which imports this one.
+step's state, the scopes' side of the hooks, its saved-tensor hooks and the release order of what they
+offload, the budget mode's choice per step, the context), its figures (``_stats``), the scopes' hooks
+(``_scopes``, called through its ``Host`` protocol), the saved-tensor records (``_saved``), the copies per
+backend (``_transfer``), the host pool (``_pool``), the budget planner (``_budget``) and the budget mode's
+per-step loop (``_autoplan``, which reads a step's ``StepTimes``) are their own modules, none of which
+imports this one.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from . import _scopes
+from ._handle import RELEASE_LAG as RELEASE_LAG  # read from here too (the release order is the handle's)
 from ._handle import ActivationOffloader
-from ._packing import RELEASE_LAG as RELEASE_LAG  # read from here too (the release order is _packing's)
 from ._stats import ActivationStats, ActivationTotals
 from .modmap import NAMES, ModuleMap, check_names, find_module_map
 

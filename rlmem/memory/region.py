@@ -11,15 +11,18 @@ copy fails with ``invalid argument``; on the host backend they read as zeros. Ch
 :meth:`Region.host_view` gives the kept bytes of a paused Region as a tensor over its host backup.
 :class:`rlmem.TrainState` re-points the model's and optimizer's own references there while they are offloaded.
 
-What this module owns: the Region's state (each chunk's state, paused or not, the backup, the operation in
-flight) and the one lock under which its methods read and change it, deciding each step. The work is beside
-it, called with what it needs while the lock is held (or on the worker thread of the operation in flight,
-which the next operation joins first): the per-chunk loops of mapping, pause, resume and reattach
-(``_chunks``), the device, backend and chunking (``_device``), tensors over the range (``_tensors``), the
-handle and worker of a non-blocking operation (``_handle``), the backup's growth and views (``_backup``),
-the sharing methods (``_shared_region``, its base class) and their descriptor work and refusals
-(``sharing``), what it reports (``_region_info``, the base of that, which declares its state; ``_stats``).
-The physical work is in the backends.
+What this module owns: the Region, one class. Its state (each chunk's state, paused or not, the backup, the
+operation in flight) and the one lock under which its methods read and change it, deciding each step; its
+sharing with other processes (whether it can, the layout and descriptors it exports, a Region made over
+another process's export with ``attach``, a paused peer's mapping of the owner's new memory with
+``reattach``, tensors over an attached Region with ``view``), under the same lock; and what it reports
+(sizes, device and chunking, the bytes handed out, mapped, committed and backed up, paused or closed,
+:class:`RegionStats`). The work is beside it, called with what it needs while the lock is held (or on the
+worker thread of the operation in flight, which the next operation joins first): the per-chunk loops of
+mapping, pause, resume and reattach (``_chunks``), the device, backend and chunking (``_device``), tensors
+over the range (``_tensors``), the handle and worker of a non-blocking operation (``_handle``), the
+backup's growth and views (``_backup``), the descriptor work and the protocol's refusals of sharing
+(``sharing``), the timings and the stats record (``_stats``). The physical work is in the backends.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,19 +42,20 @@ from ._backup import BackupViews, check_kept, drop_backup, grow_backup
 from ._device import check_sizes, chunking, make_backend, resolve_device
 from ._handle import Handle, finish, note_copies, worker
 from ._pinned import HostBuffer
-from ._shared_region import SharedRegion
 from ._stats import RegionStats, Timings
-from ._tensors import check_request, check_room, span_of, tensor_over
+from ._tensors import check_request, check_room, check_view, span_of, tensor_over
 from .backend import Backend
-from .sharing import SharedLayout, check_pause, check_resume
+from .sharing import SharedLayout, check_export, check_pause, check_reattach, check_resume, export_files
 
 # Handle and RegionStats are defined beside the mechanisms they belong to and published here as before.
 __all__ = ["Handle", "Region", "RegionStats"]
 
 _DEFAULT_ALIGN = 256
 
+_R = TypeVar("_R", bound="Region")  # the Region class attach() is called on
 
-class Region(SharedRegion):
+
+class Region:
     """A fixed range of device memory that can be paused (physical memory released) and resumed.
 
     Args:
@@ -85,6 +89,28 @@ class Region(SharedRegion):
     Tensors carved from a paused Region must not be used (see the module docstring); ``host_view`` reads and
     writes the kept bytes meanwhile, and writes made through it are what ``resume()`` brings back.
     """
+
+    # The Region's state: set by _build, read and changed under _lock (see the module docstring).
+    name: str
+    _lock: threading.RLock
+    _device: torch.device
+    _backend: Backend
+    _nbytes: int
+    _chunk: int
+    _chunks: list[Any]
+    _state: list[Any]
+    _shareable: bool
+    _peer: bool
+    _generation: int
+    _used: int
+    _paused: bool
+    _closed: bool
+    _ptr: int
+    _backup: HostBuffer | None
+    _timings: Timings
+    _views: BackupViews
+    _op: Handle | None
+    _resume_done: Any
 
     def __init__(
         self,
@@ -120,7 +146,7 @@ class Region(SharedRegion):
         backend = make_backend(dev, shareable)
         capacity, chunk, chunks = chunking(nbytes, chunk_bytes, backend.granularity)
         self._device = dev
-        self._backend: Backend = backend
+        self._backend = backend
         self._nbytes = capacity
         self._chunk = chunk
         self._chunks = chunks
@@ -132,10 +158,10 @@ class Region(SharedRegion):
         self._ptr = backend.ptr
         self._used = 0 if files is None else files[0].used_bytes
         self._paused = paused
-        self._backup: HostBuffer | None = None
+        self._backup = None
         self._views = BackupViews()  # cleared whenever the backup is replaced or freed
-        self._op: Handle | None = None  # a non-blocking pause/resume whose worker may still run
-        self._resume_done: Any = None  # event after the last resume's copies (CUDA)
+        self._op = None  # a non-blocking pause/resume whose worker may still run
+        self._resume_done = None  # event after the last resume's copies (CUDA)
         self._timings = Timings()
         self._closed = False
 
@@ -391,6 +417,7 @@ class Region(SharedRegion):
         if self._closed:
             raise RegionClosedError(f"region {self.name!r} is closed")
 
+    # -- lifecycle -----------------------------------------------------------------------------------
     def free_backup(self) -> None:
         """Free the host backup now (the next kept pause allocates a new one).
 
@@ -430,3 +457,169 @@ class Region(SharedRegion):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- sharing -------------------------------------------------------------------------------------
+    @property
+    def shareable(self) -> bool:
+        """Whether other processes can map this Region's memory (``shareable=True``, or attached)."""
+        return self._shareable
+
+    @property
+    def attached(self) -> bool:
+        """Whether this Region maps another process's memory (:meth:`attach`) rather than owning its own."""
+        return self._peer
+
+    @property
+    def generation(self) -> int:
+        """How many times the owner's memory was made anew by ``resume()`` (a peer: the one it maps)."""
+        return self._generation
+
+    def export(self) -> tuple[SharedLayout, list[int]]:
+        """The layout of this Region and a new file descriptor per chunk, for another process to
+        :meth:`attach` (send both over a Unix socket: ``socket.send_fds``; close the descriptors after).
+
+        Raises:
+            ValueError: the Region was not made with ``shareable=True``, or is itself attached.
+            RuntimeError: it is paused (its memory is not there to share).
+            RegionClosedError: it is closed.
+        """
+        with self._lock:
+            self._check_open()
+            self._settle()
+            check_export(self.name, shareable=self._shareable, peer=self._peer, paused=self._paused)
+            fds = export_files(self._backend, self._chunks)
+            layout = SharedLayout(
+                name=self.name,
+                device=str(self._device),
+                nbytes=self._nbytes,
+                chunk_bytes=self._chunk,
+                chunks=tuple(self._chunks),
+                used_bytes=self._used,
+                generation=self._generation,
+            )
+            return layout, fds
+
+    @classmethod
+    def attach(cls: type[_R], layout: SharedLayout, fds: Sequence[int], *, name: str | None = None) -> _R:
+        """Map another process's exported Region here, at addresses of this process's own that stay fixed;
+        tensors over it come from :meth:`view`. The descriptors may be closed once it returns.
+
+        Raises:
+            ValueError: ``fds`` do not match the layout's chunks (not one per chunk, or one whose memory is
+                not its chunk's size: the message names the chunk), or this device's chunking differs. Every
+                descriptor is checked before any is mapped; nothing is left mapped.
+            OutOfMemoryError / CudaError: the memory cannot be mapped; nothing is left mapped.
+        """
+        if not isinstance(layout, SharedLayout):
+            raise ValueError(f"layout must be a SharedLayout, got {type(layout).__name__}")
+        region = cls.__new__(cls)
+        label = layout.name if name is None else name
+        region._build(layout.nbytes, layout.device, layout.chunk_bytes, label, True, (layout, list(fds)))
+        return region
+
+    def reattach(self, layout: SharedLayout, fds: Sequence[int]) -> None:
+        """A paused peer maps the owner's new memory (its ``export()`` after ``resume()``) at the same
+        addresses as before.
+
+        Raises:
+            RuntimeError: this Region is not an attached one, or is not paused.
+            ValueError: the layout is another Region's, or ``fds`` do not match it (as for :meth:`attach`);
+                nothing is mapped and the Region stays paused, ready for a ``reattach`` with the right ones.
+        """
+        with self._lock:
+            self._check_open()
+            self._settle()
+            check_reattach(self.name, peer=self._peer, paused=self._paused)
+            self._state = table.remap(self._backend, self._chunks, self._nbytes, self.name, layout, list(fds))
+            self._paused = False
+            self._generation = layout.generation
+            self._timings.resumes += 1
+
+    def view(self, offset: int, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` at byte ``offset`` of the Region (the owner's tensors are at
+        ``span(t)[0]``; an attached Region's tensors are views at the same offsets).
+
+        Raises:
+            ValueError: out of the Region, or not aligned for ``dtype``.
+            RuntimeError: the Region is paused.
+        """
+        self._check_open()
+        dims, need = check_view(self.name, offset, shape, dtype, self._nbytes)
+        if self._paused:
+            raise RuntimeError(f"region {self.name!r} is paused: its memory is not there to view")
+        return tensor_over(self._backend, offset, need, dims, dtype, self._device)
+
+    # -- what it reports -----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the range in bytes (after rounding up to the granularity)."""
+        return self._nbytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._chunk
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes handed out by :meth:`empty` so far, alignment padding included."""
+        return self._used
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of physical memory currently mapped (falls chunk by chunk during a pause)."""
+        return table.resident(self._chunks, self._state)
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of memory the mapped chunks take now: what pausing gives back to the device. On a GPU, and
+        on the plain host backend, :attr:`resident_bytes`; on a shareable host Region, the pages its own
+        files hold, which a chunk gets page by page as it is first touched: a chunk mapped but never
+        touched (a Region partly written, or resumed after ``pause(keep=False)``) takes none, so shared
+        memory will not fall by it. The fences of :mod:`rlmem.colocate` wait for the device to get this
+        back, not :attr:`resident_bytes`."""
+        return table.committed(self._backend, self._chunks, self._state)
+
+    @property
+    def backup_bytes(self) -> int:
+        """Bytes of host backup held (kept across cycles so later pauses pin nothing)."""
+        b = self._backup
+        return b.nbytes if b is not None and b.alive else 0
+
+    @property
+    def paused(self) -> bool:
+        """True from a ``pause()`` call until the next ``resume()``."""
+        return self._paused
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of the start of the range; fixed for the Region's life."""
+        return self._ptr
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("paused" if self._paused else "resident")
+        return (
+            f"Region(name={self.name!r}, device={str(self._device)!r}, nbytes={self._nbytes}, "
+            f"used={self._used}, {state})"
+        )
+
+    def stats(self) -> RegionStats:
+        """A :class:`RegionStats` snapshot."""
+        return RegionStats(
+            name=self.name,
+            device=str(self._device),
+            nbytes=self._nbytes,
+            chunk_bytes=self._chunk,
+            used_bytes=self._used,
+            resident_bytes=0 if self._closed else self.resident_bytes,
+            backup_bytes=self.backup_bytes,
+            paused=self._paused,
+            **self._timings.figures(),
+        )
