@@ -82,7 +82,7 @@ def _one(args: argparse.Namespace, offload: bool) -> None:
         if model is None:
             import transformers
 
-            from rlmem.plan.presets import LLAMA
+            from rlmem.models.presets import LLAMA
 
             torch.manual_seed(0)
             model = str(Path(d) / "smollm2-shape")

@@ -124,13 +124,11 @@ def spawn_ranks(worker: Any, world: int, out: str, *args: Any) -> None:
 def shared_server_argv(tmp: Path, broker: Any, sock: Path) -> list[str]:
     """``rlmem serve`` of the tiny policy on the CPU, joining ``broker`` with shared weights and answering
     at ``sock`` (the server needs the architecture only: the policy's config, saved in ``tmp/model``)."""
-    from rlmem.recipes.config import GRPOConfig
-    from rlmem.recipes.policy import build_policy
-    from rlmem.recipes.task import CharTokenizer
+    from rlmem.models import load_model
 
     cfg_dir = tmp / "model"
     if not (cfg_dir / "config.json").is_file():
-        model = build_policy(GRPOConfig(), torch.device("cpu"), torch.float32, CharTokenizer().vocab_size, 0)
+        model = load_model("tiny", torch.device("cpu"), torch.float32)
         model.config.save_pretrained(cfg_dir)
     argv = [sys.executable, "-m", "rlmem", "serve", str(cfg_dir), "--weights", "shared", "--device", "cpu"]
     argv += ["--broker", str(broker.path), "--uds", str(sock), "--pad-id", "0", "--eos-id", "2"]

@@ -214,7 +214,7 @@ def test_every_example_config_loads():
 def test_a_saved_checkpoint_and_gradient_checkpointing(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlmem.recipes.config import TINY
+    from rlmem.models import TINY
 
     Qwen2ForCausalLM(Qwen2Config(**TINY, vocab_size=14)).save_pretrained(tmp_path / "ckpt")
     s = _short(tmp_path, "ckpt-run", model=str(tmp_path / "ckpt"), steps=2, gradient_checkpointing=True)

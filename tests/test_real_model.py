@@ -20,7 +20,8 @@ from _models import PROMPTS, tiny_qwen2
 
 import rlmem
 from rlmem.cli import main as cli_main
-from rlmem.recipes import arithmetic, gguf
+from rlmem.models import gguf
+from rlmem.recipes import arithmetic
 from rlmem.rollout import HFSampler
 
 SMALL = [

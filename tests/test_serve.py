@@ -20,9 +20,9 @@ import torch
 from _helpers import free_port
 
 from rlmem.colocate import RemoteError
+from rlmem.models import CharTokenizer, load_model
 from rlmem.recipes.config import GRPOConfig
 from rlmem.recipes.policy import build_policy
-from rlmem.recipes.task import CharTokenizer
 from rlmem.rollout import HFSampler
 from rlmem.rollout.http_engine import RemoteEngine
 
@@ -57,6 +57,7 @@ def procs():
 
 
 def _local(device: str, seed: int) -> HFSampler:
+    # the recipe's policy: `rlmem serve tiny` must sample what `rlmem train`'s own model would
     model = build_policy(
         GRPOConfig(model="tiny", seed=seed), torch.device(device), _dtype(device), 14, MAX_LEN
     )
@@ -182,7 +183,7 @@ def test_serve_default_max_new_tokens_fits_max_len(device, monkeypatch):
     from rlmem.serve.core import ServedModel
 
     max_len = 96
-    model = build_policy(GRPOConfig(model="tiny"), torch.device(device), _dtype(device), 14, max_len)
+    model = load_model("tiny", torch.device(device), _dtype(device), max_len=max_len)
     kw = dict(max_len=max_len, batch_size=4, pad_token_id=0, eos_token_id=2, cuda_graphs="off")
     core = ServedModel(model.eval(), sampler=kw, name="tiny")
     asked: list[int] = []

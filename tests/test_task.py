@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlmem.recipes.task import CharTokenizer, SortDigitsTask
+from rlmem.models import CharTokenizer
+from rlmem.recipes.task import SortDigitsTask
 
 TOK = CharTokenizer()
 TASK = SortDigitsTask(min_digits=3, max_digits=6)

@@ -38,7 +38,7 @@ from .. import checkpoint as rl_checkpoint
 from .. import offload_activations
 from .._units import GiB as _GiB
 from ..activations.modmap import SHARED_INPUT
-from ..plan.presets import QWEN2
+from ..models.presets import QWEN2
 from ._activations_summary import AUTO_TARGETS as AUTO_TARGETS  # "as": re-exported, as it was defined here
 from ._activations_summary import TARGETS, summarize
 from ._activations_summary import auto_figures as auto_figures  # "as": re-exported, as it was defined here

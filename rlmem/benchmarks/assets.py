@@ -12,6 +12,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from ..models.tiny import FAMILY_TINY
+
 __all__ = ["FAMILIES", "model_dir", "questions", "text_reward", "tokenizer_and_data"]
 
 TEMPLATE = (
@@ -19,14 +21,9 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-_DECODER = dict(
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    hidden_size=64,
-    intermediate_size=128,
-    max_position_embeddings=256,
-)
-_GROUPED = dict(_DECODER, num_key_value_heads=2)
+# The one tiny shape at the families' size (rlmem.models.tiny.FAMILY_TINY); GPT-NeoX has no KV heads to set.
+_GROUPED = FAMILY_TINY
+_DECODER = {k: v for k, v in FAMILY_TINY.items() if k != "num_key_value_heads"}
 # Mixture-of-experts layers: eight experts, two per token (transformers' defaults are the released models'
 # widths: Qwen3-MoE's 128 experts of 768, Qwen2-MoE's 60 of 1408 beside a shared expert of 5632).
 _EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)

@@ -192,7 +192,7 @@ def measure_sync(ro: _Rollout, model_name: str, repeat: int) -> dict[str, Any]:
     from torch.multiprocessing.reductions import reduce_tensor
 
     from ..colocate import SharedWeights
-    from ..plan import presets
+    from ..models import presets
 
     dev = torch.device("cuda", 0)
     model = presets.build(model_name, dev, torch.float32, seed=0)

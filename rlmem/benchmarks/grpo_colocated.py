@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         help="server: the rollout in rlmem serve, its own process (JSON grpo_server-*)",
     )
     p.add_argument(
-        "--model", default="qwen2-2.7b-mha", help="'tiny', a preset of rlmem.presets, or a directory"
+        "--model", default="qwen2-2.7b-mha", help="'tiny', a preset of rlmem.models.presets, or a directory"
     )
     p.add_argument("--kv-big-gib", type=float, default=52.0, help="the big KV budget (GiB)")
     p.add_argument(

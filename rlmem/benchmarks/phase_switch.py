@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .._units import GiB as _GiB
-from ..plan.presets import PRESETS, build, vocab_size
+from ..models.presets import PRESETS, build, vocab_size
 from ._common import (
     format_table,
     median,

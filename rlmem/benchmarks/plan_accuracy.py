@@ -27,7 +27,8 @@ import torch
 
 from .._units import GiB as _GiB
 from ..activations.modmap import DENSE_NAMES
-from ..plan import PlanOptions, Workload, estimate_memory, presets
+from ..models import presets
+from ..plan import PlanOptions, Workload, estimate_memory
 
 NAME = "plan_accuracy"
 TARGETS = {"max_abs_error_fraction": ("<=", 0.10)}

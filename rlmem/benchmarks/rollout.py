@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..plan.presets import PRESETS, build, vocab_size
+from ..models.presets import PRESETS, build, vocab_size
 from ..rollout._gqa import grouped
 from ..rollout.sampler import HFSampler, kv_bytes_per_token
 from ._common import format_table

@@ -25,7 +25,7 @@ import torch
 
 from .._units import GiB
 from ..data.batching import token_budget_batches
-from ..plan import presets
+from ..models import presets
 
 NAME = "token_budget"
 TARGETS: dict[str, tuple[str, float]] = {}

@@ -100,7 +100,7 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
     from transformers import AutoTokenizer, TrainerCallback
 
     from ..integrations.trl import RLMemCallback, sampler_rollout
-    from ..plan.presets import build
+    from ..models.presets import build
     from .assets import tokenizer_and_data
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

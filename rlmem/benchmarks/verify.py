@@ -19,20 +19,13 @@ import torch
 from torch import nn
 
 from ..colocate.weight_check import shadow_verify
-from ..plan.presets import QWEN2
+from ..models.presets import QWEN2
 from ._common import format_table, median
 from ._harness import Run
 
 NAME = "verify"
 TARGETS: dict[str, tuple[str, float]] = {"detects_one_element": ("==", 1.0)}
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
+TINY = QWEN2["qwen2-tiny"]  # --preset tiny: the one tiny model (rlmem.models.tiny), with a vocabulary
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),

@@ -181,7 +181,7 @@ def _part(name: str, preset: str, cycles: int, frag_cycles: int, port: int) -> d
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ..plan.presets import build, vocab_size
+    from ..models.presets import build, vocab_size
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -363,7 +363,7 @@ def summarize(by: dict[str, dict[str, Any]], parts: list[str], link: dict[str, f
 
 def main(argv: list[str] | None = None) -> int:
     run = Run(NAME, __doc__.splitlines()[0], TARGETS)
-    run.parser.add_argument("--preset", default="qwen2-3b", help="the model (rlmem.plan.presets)")
+    run.parser.add_argument("--preset", default="qwen2-3b", help="the model (rlmem.models.presets)")
     run.parser.add_argument("--cycles", type=int, default=5, help="steady offload/reload cycles")
     run.parser.add_argument("--frag-cycles", type=int, default=20, help="train-mode cycles with a rollout")
     run.parser.add_argument(

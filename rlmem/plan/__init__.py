@@ -1,8 +1,8 @@
 """The memory planner behind ``rlmem plan``: what a training step and a rollout take on a GPU
-(:func:`estimate_memory`), which options make them fit and how fast each is (:func:`recommend`), and the
-named model presets the benchmarks and the tiny default job build. Pure arithmetic over model shapes, except
-the presets (which build torch/transformers models); imports :mod:`rlmem.activations.modmap` for the module
-names and nothing above it.
+(:func:`estimate_memory`) and which options make them fit and how fast each is (:func:`recommend`). Pure
+arithmetic over model shapes; imports :mod:`rlmem.activations.modmap` for the module names and the named
+presets' shapes from :mod:`rlmem.models.presets`, nothing above them (``rlmem.plan.presets`` is the presets'
+old name, kept for one release).
 """
 
 from .estimate import MemoryEstimate, estimate_memory

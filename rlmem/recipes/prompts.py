@@ -16,11 +16,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..models.tiny import CharTokenizer
+from ..models.tokenizer import TextTokenizer, load_tokenizer
 from . import arithmetic
 from .config import GRPOConfig
 from .rewards import load_reward, score
-from .task import CharTokenizer, SortDigitsTask
-from .user_data import Example, PromptData, TextTokenizer, load_tokenizer
+from .task import SortDigitsTask
+from .user_data import Example, PromptData
 
 __all__ = ["Batch", "DataPrompts", "PromptSource", "TaskPrompts", "make_prompts"]
 

@@ -1,5 +1,5 @@
-"""The GRPO recipe's toy task: sort the digits of the prompt. A character tokenizer and a dense,
-verifiable reward, both made in code, so the loop needs no downloads.
+"""The GRPO recipe's toy task: sort the digits of the prompt. A dense, verifiable reward made in code over the
+tiny model's character tokenizer (:class:`rlmem.models.CharTokenizer`), so the loop needs no downloads.
 
 A prompt is ``BOS d1 d2 ... dn =``; the answer is the digits in ascending order followed by EOS. The reward
 is the fraction of answer positions right, the EOS position included, so partial progress is rewarded and
@@ -11,49 +11,16 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["CharTokenizer", "SortDigitsTask"]
+from .._lazy import moved_names
 
+if TYPE_CHECKING:
+    from ..models.tiny import CharTokenizer
 
-class CharTokenizer:
-    """Characters to ids: PAD 0, BOS 1, EOS 2, then ``=`` and the ten digits.
-
-    Example:
-        >>> tok = CharTokenizer()
-        >>> tok.decode(tok.encode("301="))
-        '301='
-    """
-
-    PAD, BOS, EOS = 0, 1, 2
-    CHARS = "=0123456789"
-
-    def __init__(self) -> None:
-        self._ids = {c: i + 3 for i, c in enumerate(self.CHARS)}
-        self._chars = {i: c for c, i in self._ids.items()}
-
-    @property
-    def vocab_size(self) -> int:
-        return 3 + len(self.CHARS)
-
-    def encode(self, text: str, *, bos: bool = False) -> list[int]:
-        """Ids of ``text``; raises ValueError naming the first character outside the vocabulary."""
-        out = [self.BOS] if bos else []
-        for c in text:
-            if c not in self._ids:
-                raise ValueError(f"character {c!r} is not in the vocabulary {self.CHARS!r}")
-            out.append(self._ids[c])
-        return out
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, stopping at the first EOS; PAD and BOS are skipped."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == self.EOS:
-                break
-            if i in self._chars:
-                out.append(self._chars[i])
-        return "".join(out)
+__all__ = ["SortDigitsTask"]
+# the tokenizer is the tiny model's (rlmem.models.tiny); its old name here keeps working for one release
+__getattr__ = moved_names(__name__, {"CharTokenizer": "rlmem.models.tiny"})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,10 +90,10 @@ def _device(spec: str) -> Any:
 
 
 class _CharText:
-    """The embedded task's tokenizer, as the server uses one."""
+    """The tiny model's character tokenizer, as the server uses one."""
 
     def __init__(self) -> None:
-        from ..recipes.task import CharTokenizer
+        from ..models.tiny import CharTokenizer
 
         self.tok = CharTokenizer()
         self.pad_id, self.eos_id = self.tok.PAD, self.tok.EOS
@@ -170,20 +170,11 @@ def load(args: argparse.Namespace, device: Any, max_len: int | None = None) -> t
     the sequences it must position ('tiny' is built for them)."""
     import torch
 
-    from ..recipes.config import GRPOConfig
-    from ..recipes.policy import build_policy
-    from ..recipes.user_data import load_tokenizer
+    from ..models.load import empty_model, load_model
+    from ..models.tokenizer import load_tokenizer
 
     if args.weights == "shared":
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        if not (Path(args.model) / "config.json").is_file():
-            raise ValueError(
-                f"model: --weights shared needs a directory with a config.json, got {args.model!r}"
-            )
-        config = AutoConfig.from_pretrained(args.model)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = empty_model(args.model)
         tok = None
         try:
             tok = _HFText(load_tokenizer(args.model, chat_template="none"))
@@ -192,13 +183,14 @@ def load(args: argparse.Namespace, device: Any, max_len: int | None = None) -> t
         return model.eval(), tok
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = auto if args.dtype == "auto" else torch_dtype(args.dtype)
-    cfg = GRPOConfig(model=args.model, seed=args.seed)
     tok: Any = None
     if args.model == "tiny":
         tok = _CharText()
-        model = build_policy(cfg, device, dtype, tok.tok.vocab_size, max_len or 0)
+        model = load_model(
+            "tiny", device, dtype, seed=args.seed, vocab=tok.tok.vocab_size, max_len=max_len or 0
+        )
     else:
-        model = build_policy(cfg, device, dtype, 0)
+        model = load_model(args.model, device, dtype, seed=args.seed)
         try:
             tok = _HFText(load_tokenizer(args.model, chat_template="none"))
         except ValueError:
@@ -282,6 +274,8 @@ def _run(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {v}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be an int >= 0, got {args.seed}")
     device = _device(args.device)
     if device.type == "cuda":
         import torch

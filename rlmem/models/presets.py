@@ -3,9 +3,9 @@ of docs/design.md and small ones.
 
 ``qwen2-2.5b``: hidden 2048, 28 layers, MLP 11008, 16 heads / 2 KV heads, vocabulary 151936, tied
 embeddings: 2.47B parameters; in bf16 with AdamW that is 4.6 GiB each of parameters and gradients and
-9.2 GiB of optimizer state (18.4 GiB). ``qwen2-tiny`` is the same shape family at toy size; ``mlp-tiny``
-needs no ``transformers`` (CPU smoke runs). ``qwen2-1.5b`` is Qwen2-1.5B's shape, ``smollm2-135m``
-SmolLM2-135M's (Llama).
+9.2 GiB of optimizer state (18.4 GiB). ``qwen2-tiny`` is the embedded tiny model (:data:`.tiny.TINY`) with
+a vocabulary of 512; ``mlp-tiny`` needs no ``transformers`` (CPU smoke runs). ``qwen2-1.5b`` is Qwen2-1.5B's
+shape, ``smollm2-135m`` SmolLM2-135M's (Llama).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .tiny import TINY
 
 __all__ = ["LLAMA", "PRESETS", "QWEN2", "build", "vocab_size"]
 
@@ -38,16 +40,8 @@ QWEN2 = {
         tie_word_embeddings=True,
         max_position_embeddings=8192,
     ),
-    "qwen2-tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-    ),
+    # the embedded tiny model (tiny.TINY), with a vocabulary and positions of its own: it has no tokenizer
+    "qwen2-tiny": {**TINY, "vocab_size": 512, "max_position_embeddings": 512},
 }
 # Qwen2.5-3B's shape (the 2.5B preset's layers, 36 of them): 3.1B parameters.
 QWEN2["qwen2-3b"] = {**QWEN2["qwen2-2.5b"], "num_hidden_layers": 36}
