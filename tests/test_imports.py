@@ -4,9 +4,13 @@ module imports another module's private names, and ``rlmem report`` does not loa
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import rlmem
 
@@ -163,6 +167,38 @@ def test_names_published_before_the_rollout_package_still_resolve():
     assert rlmem.train.Engine is rlmem.Engine is rlmem.rollout.Engine
     for name in rlmem.colocate.__all__ + rlmem.rollout.__all__:
         getattr(rlmem.colocate if name in rlmem.colocate.__all__ else rlmem.rollout, name)
+
+
+# Names that moved to rlmem.models (models load in one place), by old module: their new module and names.
+MOVED_TO_MODELS = {
+    "rlmem.plan.presets": ("rlmem.models.presets", ("LLAMA", "PRESETS", "QWEN2", "build", "vocab_size")),
+    "rlmem.recipes.gguf": ("rlmem.models.gguf", ("INSTALL", "find", "load_model", "load_tokenizer")),
+    "rlmem.recipes.user_data": (
+        "rlmem.models.tokenizer",
+        ("CHAT_TEMPLATES", "TextTokenizer", "load_tokenizer"),
+    ),
+    "rlmem.recipes.task": ("rlmem.models.tiny", ("CharTokenizer",)),
+    "rlmem.recipes.config": ("rlmem.models.tiny", ("TINY",)),
+}
+
+
+@pytest.mark.parametrize("old", list(MOVED_TO_MODELS))
+def test_names_moved_to_models_resolve_from_their_old_place_with_a_warning_naming_the_new(old):
+    new, names = MOVED_TO_MODELS[old]
+    for name in names:
+        said = rf"{re.escape(old)}\.{name} has moved to {re.escape(new)}\.{name}"
+        with pytest.warns(DeprecationWarning, match=said):
+            got = getattr(importlib.import_module(old), name)
+        assert got is getattr(importlib.import_module(new), name)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        _ = importlib.import_module(old).no_such_name
+
+
+def test_a_moved_name_imported_the_old_way_warns_at_the_importing_line():
+    with pytest.warns(DeprecationWarning, match="rlmem.models.presets.QWEN2") as said:
+        from rlmem.plan.presets import QWEN2
+    assert QWEN2 is rlmem.models.presets.QWEN2
+    assert [w.filename for w in said] == [__file__]
 
 
 # The floors of docs/design.md, lowest first: a package imports only packages of lower floors (and the base
