@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ._common import format_table, median, spawn_part
+from ._common import format_table, link_rates, median, spawn_part, timed
 from ._harness import Run
 
 NAME = "verl"
@@ -156,23 +156,11 @@ class _PeakSampler:
         self.peak = max(self.peak, total - free)
 
 
-def _timed(fn: Any, device: torch.device) -> float:
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
-
-
-def pinned_link(device: torch.device, gib: float = 4.0, repeats: int = 3) -> dict[str, float]:
-    """GB/s of one large copy each way between the device and pinned host memory (the best of
-    ``repeats``)."""
+def pinned_link(device: torch.device, gib: float = 4.0) -> dict[str, float]:
+    """GB/s of one large copy each way between the device and pinned host memory (``link_rates``' best)."""
     n = int(gib * 2**30)
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device=device)
-    d2h = min(_timed(lambda: host.copy_(dev, non_blocking=True), device) for _ in range(repeats))
-    h2d = min(_timed(lambda: dev.copy_(host, non_blocking=True), device) for _ in range(repeats))
-    return {"d2h_gbps": n / d2h / 1e9, "h2d_gbps": n / h2d / 1e9, "bytes": n}
+    d2h, h2d = link_rates(device, n)
+    return {"d2h_gbps": d2h / 1e9, "h2d_gbps": h2d / 1e9, "bytes": n}
 
 
 def _part(name: str, preset: str, cycles: int, frag_cycles: int, port: int) -> dict[str, Any]:
@@ -240,16 +228,16 @@ def _part(name: str, preset: str, cycles: int, frag_cycles: int, port: int) -> d
         if moves:
             e.to("cuda", model=True, optimizer=True, grad=True)
 
-    out["first_offload_s"] = _timed(off, device)
-    out["first_reload_s"] = _timed(on, device)
+    out["first_offload_s"] = timed(off, device)
+    out["first_reload_s"] = timed(on, device)
     print(
         f"{name}: first offload {out['first_offload_s']:.2f} s, reload {out['first_reload_s']:.2f} s",
         flush=True,
     )
     offs, ons = [], []
     for _ in range(cycles):
-        offs.append(_timed(off, device))
-        ons.append(_timed(on, device))
+        offs.append(timed(off, device))
+        ons.append(timed(on, device))
     out["offload_s"], out["reload_s"] = median(offs), median(ons)
     stages["offload cycles"] = _digest(_everything(e))
     out["offload_gbps"] = (pbytes + obytes) / out["offload_s"] / 1e9

@@ -255,13 +255,14 @@ def _helpers(originals: dict[str, Callable[..., Any]]) -> dict[str, Callable[...
 
     def routed(name: str, how: Callable[..., None]) -> Callable[..., Any]:
         orig = originals[name]
+        sig = inspect.signature(orig)
 
         @functools.wraps(orig)
         def helper(obj: Any, *args: Any, **kwargs: Any) -> Any:
             state = _states.get(id(obj))
             if state is None:
                 return orig(obj, *args, **kwargs)
-            bound = inspect.signature(orig).bind(obj, *args, **kwargs)
+            bound = sig.bind(obj, *args, **kwargs)
             bound.apply_defaults()
             rest = list(bound.arguments.items())[1:]  # after the model or optimizer itself
             how(state, **dict(rest))
