@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from _helpers import rank_group, spawn_ranks
+from _helpers import rank_group, same_tensors, spawn_ranks
 from _models import make
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -94,12 +94,6 @@ def grads_inside(st: TrainState, model: torch.nn.Module) -> bool:
     return bool(gs) and all(_within(st.regions("grads"), g) for g in gs)
 
 
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True)
-    )
-
-
 def train(
     orig: bool, adopt_at: int | None, grads: str, checks: list[bool], build=wrap, **kw: object
 ) -> list[torch.Tensor]:
@@ -128,7 +122,7 @@ def train(
                 released = all(r.resident_bytes == 0 for c in ("params", "optimizer") for r in st.regions(c))
                 checks.append(released)
             if grads == "offload":  # discarded gradients are None now, as after zero_grad()
-                checks.append(same(local(model, opt), want))
+                checks.append(same_tensors(local(model, opt), want))
             st.reload(blocking=step % 2 == 1)
             if grads == "offload":
                 st.synchronize()
@@ -169,7 +163,7 @@ def worker(rank: int, world: int, port: int, out: str, device_kind: str) -> None
                     checks = []
                     got = train(orig, adopt_at, grads, checks)
                     res[f"orig={orig} grads={grads} adopt_at={adopt_at}"] = {
-                        "equal": same(got, ref),
+                        "equal": same_tensors(got, ref),
                         "n": len(ref),
                         "checks": checks,
                     }
@@ -178,14 +172,17 @@ def worker(rank: int, world: int, port: int, out: str, device_kind: str) -> None
         checks = []
         ref = train(True, None, "offload", checks, **zero2)
         got = train(True, 1, "offload", checks, **zero2)
-        res["orig=True grads=offload adopt_at=1 SHARD_GRAD_OP"] = {"equal": same(got, ref), "checks": checks}
+        res["orig=True grads=offload adopt_at=1 SHARD_GRAD_OP"] = {
+            "equal": same_tensors(got, ref),
+            "checks": checks,
+        }
         # Mixed precision: FSDP all-gathers a bf16 copy of the fp32 shard that it makes and frees in forward.
         for orig in (False, True):
             checks = []
             ref = train(orig, None, "offload", checks, build=wrap_mixed)
             got = train(orig, 1, "offload", checks, build=wrap_mixed)
             res[f"orig={orig} grads=offload adopt_at=1 param_dtype=bf16"] = {
-                "equal": same(got, ref),
+                "equal": same_tensors(got, ref),
                 "checks": checks,
             }
         model = wrap(True)

@@ -35,6 +35,13 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bytes(a).cpu(), as_bytes(b).cpu())
 
 
+def same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Two lists of tensors equal one for one: same dtype, shape and values."""
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True)
+    )
+
+
 def fill_random(t: torch.Tensor, seed: int) -> None:
     """Random bit patterns (NaNs and denormals included), so comparisons are bit-exact."""
     g = torch.Generator().manual_seed(seed)

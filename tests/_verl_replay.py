@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from _helpers import rank_group, spawn_ranks
+from _helpers import rank_group, same_tensors, spawn_ranks
 
 STEPS = 3
 
@@ -158,12 +158,6 @@ def snapshot(e: Any) -> list[torch.Tensor]:
     for st in e.optimizer.state_dict()["state"].values():
         out += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
     return out
-
-
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True)
-    )
 
 
 class Rollout:
@@ -387,13 +381,13 @@ def worker(rank: int, world: int, port: int, out: str, kind: str) -> None:
             got = replay(kind, world, True, comms, checks)
         res["checks"] = checks
         res["sent equal"] = all(
-            a.keys() == b.keys() and same(list(a.values()), list(b.values()))
+            a.keys() == b.keys() and same_tensors(list(a.values()), list(b.values()))
             for a, b in zip(ref["sent"], got["sent"], strict=True)
         )
         for key in ("logits", "losses"):
-            res[f"{key} equal"] = same(ref[key], got[key])
+            res[f"{key} equal"] = same_tensors(ref[key], got[key])
         res["sent names"] = sorted(got["sent"][0])
-        res["final equal"] = same(ref["final"], got["final"])
+        res["final equal"] = same_tensors(ref["final"], got["final"])
         res["final tensors"] = len(got["final"])
         if kind == "fsdp1":
             # a layout TrainState cannot adopt: refused at verl's first offload, naming it, nothing moved
