@@ -3,10 +3,11 @@ form per kind of misuse, naming the argument and what is allowed."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["TAGS", "check_choice", "check_flag", "check_int", "check_tags"]
+__all__ = ["TAGS", "check_choice", "check_flag", "check_int", "check_sampling", "check_tags"]
 
 # What an engine's wake(tags) takes, in the order it takes them (vLLM's and SGLang's tag names). An engine
 # without CUDA graphs of its own to release (rlmem's) has nothing to do for "cuda_graph"; SGLang's are woken
@@ -61,3 +62,20 @@ def check_tags(tags: Sequence[str] | None, field: str = "tags") -> list[str] | N
     if unknown:
         raise ValueError(f"{field}: unknown tag(s) {unknown}; allowed: {', '.join(TAGS)}")
     return list(tags)
+
+
+def check_sampling(temperature: Any, top_p: Any) -> None:
+    """The one rule for sampling settings, the same in ``rlmem train``, the sampler, ``rlmem serve`` and the
+    server clients: ``temperature`` a finite number >= 0 (0: greedy), ``top_p`` a finite number in (0, 1];
+    neither a bool.
+
+    Raises:
+        ValueError: naming the setting and what is allowed.
+    """
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")

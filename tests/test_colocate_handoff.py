@@ -27,14 +27,13 @@ from rlmem.colocate import (
     Broker,
     FenceError,
     Member,
-    PeerEngine,
     PeerLostError,
     SharedWeights,
-    serve_engine,
     wire,
 )
 from rlmem.colocate.status import format_ledger
 from rlmem.memory.region import Region
+from rlmem.rollout import PeerEngine, serve_engine
 
 MiB = 1 << 20
 ROLES = [sys.executable, "-m", "rlmem.benchmarks.colocate_roles"]

@@ -1,8 +1,8 @@
 """HFSampler over mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE): greedy tokens equal to
-transformers' own at every precision the recipe offers; the experts' capturable form (``rollout/_experts.py``)
-computes what transformers' grouped dispatch computes; a decode step that cannot be captured runs eagerly with
-one warning and leaves the process as it was (``rollout/_graphs.py``); on a GPU the captured steps equal the
-eager ones at every precision."""
+transformers' own at every precision the recipe offers; the experts' capturable form
+(``rollout/sampler/_experts.py``) computes what transformers' grouped dispatch computes; a decode step that
+cannot be captured runs eagerly with one warning and leaves the process as it was
+(``rollout/sampler/_graphs.py``); on a GPU the captured steps equal the eager ones at every precision."""
 
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ transformers = pytest.importorskip("transformers")
 
 from _models import near_greedy, reference  # noqa: E402
 
-from rlmem.rollout import _experts, _graphs  # noqa: E402
-from rlmem.rollout._graphs import CaptureError  # noqa: E402
-from rlmem.rollout.sampler import HFSampler  # noqa: E402
+from rlmem.rollout.sampler import (  # noqa: E402
+    HFSampler,
+    _experts,
+    _graphs,
+)
+from rlmem.rollout.sampler._graphs import CaptureError  # noqa: E402
 
 FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8], [11, 12], [20], [3, 3, 3, 3]]

@@ -75,7 +75,7 @@ def test_the_moe_families_route_through_transformers_grouped_experts(tmp_path):
     broke the sampler's CUDA graphs); its new dense families have none."""
     import transformers
 
-    from rlmem.rollout._experts import experts_modules
+    from rlmem.rollout.sampler._experts import experts_modules
 
     tok, _ = families.tokenizer_and_data(tmp_path)
     for family, n in (("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2), ("olmo2", 0), ("gemma3", 0)):

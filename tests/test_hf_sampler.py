@@ -414,7 +414,7 @@ def test_rollout_copy_in_its_own_dtype_and_region(device):
 def test_fused_pieces_are_the_models_own_arithmetic():
     # Off a GPU the fused functions run uncompiled: op for op the model's own, so logits are bit-equal;
     # inside the block the known modules are swapped, outside nothing is left of it.
-    from rlmem.rollout import _fused
+    from rlmem.rollout.sampler import _fused
 
     model = tiny_qwen2("cpu")
     modeling = transformers.models.qwen2.modeling_qwen2
@@ -438,7 +438,7 @@ def test_fused_pieces_are_the_models_own_arithmetic():
 
 
 def test_fused_leaves_other_models_alone():
-    from rlmem.rollout import _fused
+    from rlmem.rollout.sampler import _fused
 
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=14, n_positions=32)
     model = transformers.GPT2LMHeadModel(cfg).eval()

@@ -1,10 +1,13 @@
-"""The shape of the package: its import graph has no cycle (imports under ``TYPE_CHECKING`` count too), no
-module imports another module's private names, and ``rlmem report`` does not load the training loop."""
+"""The shape of the package: its import graph has no cycle (imports under ``TYPE_CHECKING`` count too, and
+so do the names a module re-exports through importlib, ``lazy_names`` and ``moved_names``), no module
+imports another module's private names, every package imports only the floors below it, the scripts import
+only what exists, and ``rlmem report`` does not load the training loop."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
 import subprocess
 import sys
@@ -26,14 +29,51 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _table(node: ast.expr, assigned: dict[str, ast.expr]) -> dict[str, str]:
+    """A re-export table as written: a dict literal (``**`` merges included),
+    ``dict.fromkeys(names, module)``,
+    or the name of a module-level assignment of one."""
+    if isinstance(node, ast.Name) and node.id in assigned:
+        return _table(assigned[node.id], assigned)
+    if isinstance(node, ast.Dict):
+        out: dict[str, str] = {}
+        for k, v in zip(node.keys, node.values, strict=True):
+            out.update(_table(v, assigned) if k is None else {ast.literal_eval(k): ast.literal_eval(v)})
+        return out
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "dict.fromkeys":
+        return dict.fromkeys(ast.literal_eval(node.args[0]), ast.literal_eval(node.args[1]))
+    raise AssertionError(f"a re-export table the check cannot read: {ast.unparse(node)}")
+
+
+def _reexports(tree: ast.Module, package: str) -> list[str]:
+    """The modules a module's ``lazy_names(...)`` / ``moved_names(...)`` tables point at: imports made through
+    importlib, which no ``import`` statement shows (relative ones resolved against ``package``)."""
+    assigned = {
+        t.id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("lazy_names", "moved_names"):
+            table = _table(node.args[1], assigned)
+            out += [importlib.util.resolve_name(module, package) for module in table.values()]
+    return out
+
+
 def _imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
-    """Each module's rlmem imports (every ``import`` statement in the file, wherever it stands), and the
-    (importer, module, name) of each private name imported from another module."""
+    """Each module's rlmem imports (every ``import`` statement in the file, wherever it stands, and the
+    modules its importlib re-export tables name), and the (importer, module, name) of each private name
+    imported from another module."""
     edges: dict[str, set[str]] = {m: set() for m in mods}
     private: list[tuple[str, str, str]] = []
     for m, f in mods.items():
         package = m if f.name == "__init__.py" else m.rpartition(".")[0]
-        for node in ast.walk(ast.parse(f.read_text())):
+        tree = ast.parse(f.read_text())
+        edges[m].update(t for t in _reexports(tree, package) if t.startswith("rlmem"))
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 edges[m].update(a.name for a in node.names if a.name in mods)
             elif isinstance(node, ast.ImportFrom):
@@ -114,7 +154,7 @@ PRIVATE_MODULE_USES = {
     ("rlmem.benchmarks._common", "rlmem.memory._cuda"): "the GPU's name from the driver, no CUDA context",
     ("rlmem.benchmarks.vmm_calls", "rlmem.memory._cuda"): "it times the driver's VMM calls themselves",
     ("rlmem.benchmarks.numa", "rlmem.memory._numa"): "it measures the placement itself",
-    ("rlmem.benchmarks.rollout", "rlmem.rollout._gqa"): "it times the grouped decode kernel",
+    ("rlmem.benchmarks.rollout", "rlmem.rollout.sampler._gqa"): "it times the grouped decode kernel",
     # Megatron adoption lives in train/; the Megatron glue reads it
     ("rlmem.integrations.megatron", "rlmem.train._megatron"): "Megatron's storages as TrainState adopts them",
 }
@@ -153,20 +193,69 @@ def test_rlmem_report_does_not_import_the_training_loop(tmp_path):
     assert "has no timeline.jsonl" in out.stderr
 
 
-def test_names_published_before_the_rollout_package_still_resolve():
-    import rlmem.colocate
-    import rlmem.integrations.hf
+def test_the_rollout_names_resolve_from_the_package_and_its_two_rooms():
     import rlmem.rollout
     import rlmem.train
 
-    assert rlmem.integrations.hf.HFSampler is rlmem.rollout.HFSampler is rlmem.HFSampler
-    assert rlmem.RemoteEngine is rlmem.colocate.RemoteEngine is rlmem.rollout.RemoteEngine
-    assert rlmem.colocate.PeerEngine is rlmem.rollout.PeerEngine
-    assert rlmem.colocate.serve_engine is rlmem.rollout.serve_engine
-    assert rlmem.colocate.FLAVORS is rlmem.rollout.FLAVORS
+    assert rlmem.RemoteEngine is rlmem.rollout.RemoteEngine is rlmem.rollout.remote.RemoteEngine
+    assert rlmem.HFSampler is rlmem.rollout.HFSampler is rlmem.rollout.sampler.HFSampler
+    assert rlmem.rollout.PeerEngine is rlmem.rollout.remote.PeerEngine
+    assert rlmem.rollout.SamplerConfig is rlmem.rollout.sampler.SamplerConfig
     assert rlmem.train.Engine is rlmem.Engine is rlmem.rollout.Engine
-    for name in rlmem.colocate.__all__ + rlmem.rollout.__all__:
-        getattr(rlmem.colocate if name in rlmem.colocate.__all__ else rlmem.rollout, name)
+    for package in (rlmem.rollout, rlmem.rollout.sampler, rlmem.rollout.remote):
+        for name in package.__all__:
+            getattr(package, name)
+
+
+def test_colocate_no_longer_loads_the_engines_from_the_floor_above():
+    import rlmem.colocate
+
+    for name in ("RemoteEngine", "PeerEngine", "EngineSeat", "serve_engine", "FLAVORS"):
+        assert not hasattr(rlmem.colocate, name)
+
+
+def test_an_importlib_reexport_counts_as_an_import(tmp_path):
+    # The checker itself: a lower package re-exporting a higher one's name through lazy_names (as colocate
+    # once did for the engines) is an edge, which the floors test then refuses.
+    pkg = tmp_path / "rlmem" / "colocate"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "from .._lazy import lazy_names\n_WHERE = {'RemoteEngine': 'rlmem.rollout', 'Member': '.member'}\n"
+        "__getattr__ = lazy_names(__name__, _WHERE)\n"
+    )
+    (pkg / "old.py").write_text("__getattr__ = moved_names(__name__, {'x': 'rlmem.serve.core'})\n")
+    mods = {"rlmem.colocate": pkg / "__init__.py", "rlmem.colocate.old": pkg / "old.py"}
+    edges, _ = _imports(mods)
+    assert edges["rlmem.colocate"] == {"rlmem._lazy", "rlmem.rollout", "rlmem.colocate.member"}
+    assert edges["rlmem.colocate.old"] == {"rlmem.serve.core"}
+
+
+# Old module paths of the rollout room, by module: where their names went. Each resolves for one release.
+MOVED_IN_ROLLOUT = {
+    "rlmem.rollout.http_engine": {
+        "RemoteEngine": "rlmem.rollout.remote.base",
+        "FLAVORS": "rlmem.rollout.remote.base",
+        "PAUSE_MODES": "rlmem.rollout.remote.vllm",
+    },
+    "rlmem.rollout.process_engine": {
+        n: "rlmem.rollout.remote.peer" for n in ("EngineSeat", "PeerEngine", "serve_engine")
+    },
+    "rlmem.rollout.server_rollout": {
+        n: "rlmem.rollout.remote.server_rollout"
+        for n in ("SERVER_CATEGORIES", "EngineLostError", "ServerRollout")
+    },
+    "rlmem.rollout.config": {n: "rlmem.rollout.sampler.config" for n in ("SamplerConfig", "kv_batch")},
+    "rlmem.integrations.hf": {n: "rlmem.rollout.sampler.hf" for n in ("HFSampler", "kv_bytes_per_token")},
+}
+
+
+@pytest.mark.parametrize("old", list(MOVED_IN_ROLLOUT))
+def test_old_rollout_paths_resolve_with_a_warning_naming_the_new(old):
+    for name, new in MOVED_IN_ROLLOUT[old].items():
+        said = rf"{re.escape(old)}\.{name} has moved to {re.escape(new)}\.{name}"
+        with pytest.warns(DeprecationWarning, match=said):
+            got = getattr(importlib.import_module(old), name)
+        assert got is getattr(importlib.import_module(new), name)
 
 
 # Names that moved to rlmem.models (models load in one place), by old module: their new module and names.
@@ -236,3 +325,63 @@ def test_every_package_imports_only_the_floors_below_it():
         if pa != pb and pb not in base and pa not in base and floor[pb] >= floor[pa]
     )
     assert up == []
+
+
+SCRIPTS = ROOT.parent / "scripts"
+# Private names and modules the scripts use, each with its reason; any other is a failure.
+SCRIPT_PRIVATE_USES = {
+    ("act_overhead", "rlmem.benchmarks.activations", "_build"): "the benchmark's model, timed apart",
+    ("act_overhead", "rlmem.benchmarks.activations", "_step"): "the benchmark's step, timed apart",
+    ("grpo_dist_json", "rlmem.benchmarks._common", None): "a result file in the benchmarks' format",
+    ("grpo_dist_json", "rlmem.comm._nccl", None): "the NCCL library's version, for that file",
+}
+
+
+def _defined(path: Path) -> set[str]:
+    """The names a module defines at its top level, its ``__all__`` and its re-export tables' names."""
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            if isinstance(node.value, ast.Dict):
+                out.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return out
+
+
+def test_the_scripts_import_only_what_exists_and_no_private_part_unlisted():
+    mods = _modules()
+    missing, private = [], set()
+    for script in sorted(SCRIPTS.glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, None) for a in node.names if a.name.startswith("rlmem")]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rlmem"):
+                targets = [(node.module, a.name) for a in node.names]
+            else:
+                continue
+            for module, name in targets:
+                if module not in mods:
+                    missing.append(f"{script.name}: {module}")
+                    continue
+                if any(p.startswith("_") and not p.startswith("__") for p in module.split(".")):
+                    private.add((script.stem, module, None))
+                if name is None:
+                    continue
+                if f"{module}.{name}" in mods:
+                    if name.startswith("_"):
+                        private.add((script.stem, f"{module}.{name}", None))
+                    continue
+                if name not in _defined(mods[module]):
+                    missing.append(f"{script.name}: {module}.{name}")
+                if name.startswith("_"):
+                    private.add((script.stem, module, name))
+    assert missing == []
+    assert private - set(SCRIPT_PRIVATE_USES) == set()
+    assert set(SCRIPT_PRIVATE_USES) - private == set()  # an exception no longer needed is removed

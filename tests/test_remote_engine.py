@@ -19,7 +19,7 @@ from _sglang_standin import SGLangStandIn, tiny_model
 
 from rlmem import Region
 from rlmem.colocate import FenceError, RemoteError
-from rlmem.rollout.http_engine import RemoteEngine
+from rlmem.rollout.remote import RemoteEngine
 
 MiB = 1 << 20
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from rlmem.colocate import RemoteError, SharedWeights
 from rlmem.colocate.weight_check import read_checkpoint
-from rlmem.rollout.http_engine import RemoteEngine
+from rlmem.rollout.remote import RemoteEngine
 
 ALL = {"kv_cache", "weights", "cuda_graph"}
 

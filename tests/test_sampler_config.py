@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlmem.rollout import HFSampler
-from rlmem.rollout.config import SamplerConfig, kv_batch
+from rlmem.rollout.sampler.config import SamplerConfig, kv_batch
 from rlmem.serve.main import _sampler_config, serve_parser
 
 BASE = dict(max_len=64, batch_size=8, pad_token_id=0, eos_token_id=2)

@@ -24,7 +24,7 @@ from rlmem.models import CharTokenizer, load_model
 from rlmem.recipes.config import GRPOConfig
 from rlmem.recipes.policy import build_policy
 from rlmem.rollout import HFSampler
-from rlmem.rollout.http_engine import RemoteEngine
+from rlmem.rollout.remote import RemoteEngine
 
 TOK = CharTokenizer()
 MAX_LEN = 48

@@ -249,7 +249,7 @@ sys.path[:0] = sys.argv[2:4]  # the checkout and its tests
 import torch
 import torch.distributed as dist
 from _helpers import free_port, rank_group, spawn
-from rlmem.rollout.server_rollout import EngineLostError, ServerRollout
+from rlmem.rollout.remote.server_rollout import EngineLostError, ServerRollout
 
 
 def worker(rank, world, port, out):

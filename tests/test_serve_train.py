@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from rlmem.colocate import Broker
 from rlmem.recipes import grpo
 from rlmem.recipes.config import GRPOConfig
-from rlmem.rollout.server_rollout import EngineLostError, ServerRollout
+from rlmem.rollout.remote.server_rollout import EngineLostError, ServerRollout
 
 
 def _cfg(out: Path, device: str, **kw) -> GRPOConfig:

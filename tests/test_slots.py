@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from _models import grouped_model  # noqa: E402
 
 from rlmem.rollout import HFSampler  # noqa: E402
-from rlmem.rollout._slots import Slots  # noqa: E402
+from rlmem.rollout.sampler._slots import Slots  # noqa: E402
 
 
 def test_rows_are_refilled_in_order_and_ended_sequences_kept():

@@ -19,8 +19,8 @@ from _vllm_ipc_standin import digest
 from torch import nn
 
 from rlmem.colocate import RemoteError, SharedWeights
-from rlmem.rollout import _vllm_ipc
-from rlmem.rollout.http_engine import RemoteEngine
+from rlmem.rollout.remote import RemoteEngine
+from rlmem.rollout.remote import vllm as _vllm_ipc
 
 pytestmark = pytest.mark.cuda
 

@@ -21,7 +21,7 @@ from _vllm_server import Server, venv, with_rlmem  # noqa: E402
 
 from rlmem.benchmarks.assets import model_dir, tokenizer_and_data  # noqa: E402
 from rlmem.colocate import RemoteError  # noqa: E402
-from rlmem.rollout.http_engine import RemoteEngine  # noqa: E402
+from rlmem.rollout.remote import RemoteEngine  # noqa: E402
 
 PROMPTS = ["What is 1+2? Put the answer in \\boxed{}.", "What is 40+2?"]
 

@@ -28,7 +28,7 @@ from torch import nn  # noqa: E402
 
 from rlmem.benchmarks.assets import model_dir, tokenizer_and_data  # noqa: E402
 from rlmem.colocate import RemoteError, SharedWeights  # noqa: E402
-from rlmem.rollout.http_engine import RemoteEngine  # noqa: E402
+from rlmem.rollout.remote import RemoteEngine  # noqa: E402
 
 PROMPTS = ["What is 1+2? Put the answer in \\boxed{}.", "What is 40+2?", "What is 17+25?"]
 NEW = 8

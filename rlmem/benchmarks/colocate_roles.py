@@ -3,7 +3,7 @@ process (a train state backed up to host memory at each handoff, a small policy'
 and a rollout-like one (a KV-cache-like Region discarded at each handoff, running on the shared weights).
 
 ``python -m rlmem.benchmarks.colocate_roles train|rollout --path SOCK --device D ...``. The trainer drives
-the rollout process through :class:`~rlmem.colocate.PeerEngine` in ``PhaseManager``'s order (weights, sync,
+the rollout process through :class:`~rlmem.rollout.PeerEngine` in ``PhaseManager``'s order (weights, sync,
 offload, fenced release, the peer's admitted acquire of its cache; and back) for ``--handoffs`` handoffs,
 checks every byte of its state against the pattern it wrote, and prints one JSON line: per handoff, the
 time and the fences; the copy times of the same state measured alone in the same run before the first.
@@ -23,7 +23,7 @@ from torch import nn
 
 from ..colocate import Member, SharedWeights
 from ..memory.region import Region
-from ..rollout.process_engine import PeerEngine, serve_engine
+from ..rollout.remote.peer import PeerEngine, serve_engine
 
 _PRIME = 65521
 _CHUNK = 1 << 28  # elements per chunk when writing and checking the pattern

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from ..models.presets import PRESETS, build, vocab_size
-from ..rollout._gqa import grouped
 from ..rollout.sampler import HFSampler, kv_bytes_per_token
+from ..rollout.sampler._gqa import grouped
 from ._common import format_table
 from ._harness import Run
 

@@ -10,40 +10,29 @@ Owns what two processes share and how they hand the device over:
 - how they talk (:mod:`~rlmem.colocate.wire`: framed, versioned messages with descriptors over a Unix socket
   in a private directory, peers checked by their credentials).
 
-The engines that drive another process (``PeerEngine``, ``EngineSeat``, ``serve_engine``, ``RemoteEngine``,
-``FLAVORS``) live in :mod:`rlmem.rollout`; their names here keep working, loaded on first use.
+The engines that drive another process (``PeerEngine``, ``EngineSeat``, ``serve_engine``, ``RemoteEngine``)
+live in :mod:`rlmem.rollout.remote`, on a floor above this one.
 
 Imports :mod:`rlmem.memory`, nothing above it.
 """
 
-from .._lazy import lazy_names
 from . import wire
 from .broker import Broker, default_path
 from .member import Fence, FenceError, Grant, Member, PeerLostError, RemoteError, describe
 from .weights import AttachedWeights, SharedWeights, attach_weights
 
 __all__ = [
-    "FLAVORS",
     "AttachedWeights",
     "Broker",
-    "EngineSeat",
     "Fence",
     "FenceError",
     "Grant",
     "Member",
-    "PeerEngine",
     "PeerLostError",
-    "RemoteEngine",
     "RemoteError",
     "SharedWeights",
     "attach_weights",
     "default_path",
     "describe",
-    "serve_engine",
     "wire",
 ]
-
-_MOVED = {"EngineSeat", "PeerEngine", "serve_engine", "FLAVORS", "RemoteEngine"}
-
-
-__getattr__ = lazy_names(__name__, dict.fromkeys(_MOVED, "rlmem.rollout"))

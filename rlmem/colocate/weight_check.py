@@ -1,5 +1,5 @@
 """A served model's checkpoint, and a weight update checked against it, with no inference framework
-imported here: SGLang's client (``rollout/_sglang.py``) checks an update before sending it, rlmem's vLLM
+imported here: SGLang's client (``rollout/remote/sglang.py``) checks an update before sending it, rlmem's vLLM
 backend (``integrations/vllm_transfer.py``) before loading it, and ``rlmem bench verify`` times the
 verification without vLLM.
 

@@ -36,7 +36,7 @@ What vLLM's own reload does not do, this backend does (vLLM 0.32's code, ``model
 
 ``RemoteEngine(flavor="vllm").update_weights(weights)`` drives these calls. Where rlmem cannot be installed in
 the server's environment, ``update_weights(weights, backend="ipc")`` speaks vLLM's own ``ipc`` backend instead
-(``rlmem/rollout/_vllm_ipc.py``: a staging buffer exported by CUDA IPC, a copy per chunk).
+(``rlmem/rollout/remote/vllm.py``: a staging buffer exported by CUDA IPC, a copy per chunk).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from torch import nn
 from .._extras import require
 from ..data.batching import token_budget_batches
 from ..monitor.timeline import MemoryTimeline
-from ..rollout.server_rollout import EngineLostError
+from ..rollout.remote.server_rollout import EngineLostError
 from . import checkpoint, identity
 from .config import GRPOConfig, train_parser
 from .policy import Policy

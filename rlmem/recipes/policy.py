@@ -19,10 +19,10 @@ from torch import nn
 from .._dtypes import dtype_name
 from .._units import parse_bytes
 from ..models.load import load_model
-from ..rollout.config import SamplerConfig, kv_batch
 from ..rollout.engine import takes
+from ..rollout.remote.server_rollout import SERVER_CATEGORIES, ServerRollout
 from ..rollout.sampler import HFSampler, kv_bytes_per_token
-from ..rollout.server_rollout import SERVER_CATEGORIES, ServerRollout
+from ..rollout.sampler.config import SamplerConfig, kv_batch
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
 from .config import GRPOConfig, is_fraction

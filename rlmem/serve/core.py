@@ -6,7 +6,7 @@ HTTP server's worker threads and from the broker's calls, never at once. Each su
 server's GPU its current device first: a thread starts on GPU 0, and a CUDA call there that names no device
 would open a context (some 500 MiB) on GPU 0 for a server of another GPU. With a broker the process starts
 asleep (nothing of its cache mapped) and takes the device only when granted; sleeps and wakes from either
-front are the fenced release and the admitted acquire of :class:`~rlmem.colocate.EngineSeat`.
+front are the fenced release and the admitted acquire of :class:`~rlmem.rollout.EngineSeat`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 
 from ..colocate import AttachedWeights, Member
 from ..colocate.ipc import open_tensors
-from ..rollout.process_engine import EngineSeat
+from ..rollout.remote.peer import EngineSeat
 from ..rollout.sampler import HFSampler
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "NotReadyError", "ServedModel"]
@@ -266,7 +266,7 @@ class ServedModel:
         return out
 
     def serve_broker(self, stop: threading.Event) -> threading.Thread:
-        """Answer the broker's calls (the trainer's :class:`~rlmem.colocate.PeerEngine`) on a thread, until
+        """Answer the broker's calls (the trainer's :class:`~rlmem.rollout.PeerEngine`) on a thread, until
         ``stop`` is set."""
         assert self.seat is not None and self.member is not None
         member, handlers = self.member, self.seat.handlers()

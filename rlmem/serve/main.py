@@ -45,7 +45,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sampler-config",
         default=None,
-        help="the sampler's settings as one JSON object (rlmem.rollout.config.SamplerConfig), instead of "
+        help="the sampler's settings as one JSON object (rlmem.rollout.sampler.SamplerConfig), instead of "
         "--max-len, --batch-size, --kv-budget, --compute-dtype, --cuda-graphs, --pad-id and --eos-id",
     )
     p.add_argument("--seed", type=int, default=0, help="for the random weights of 'tiny' and presets")
@@ -132,7 +132,7 @@ def _sampler_config(args: argparse.Namespace) -> Any:
     """The ``--sampler-config`` JSON as a SamplerConfig, or None without it."""
     if args.sampler_config is None:
         return None
-    from ..rollout.config import SamplerConfig
+    from ..rollout.sampler.config import SamplerConfig
 
     both = [k for k, v in _SAMPLER_FLAGS.items() if getattr(args, k) != v]
     if both:
@@ -147,7 +147,7 @@ def _sampler_config(args: argparse.Namespace) -> Any:
 def _from_flags(args: argparse.Namespace, model: Any, tok: Any) -> Any:
     """The sampler's config from the flags; what they leave out from the tokenizer and the model."""
     from .._units import parse_bytes
-    from ..rollout.config import SamplerConfig
+    from ..rollout.sampler.config import SamplerConfig
 
     pad = args.pad_id if args.pad_id is not None else getattr(tok, "pad_id", None)
     eos = args.eos_id if args.eos_id is not None else getattr(tok, "eos_id", None)

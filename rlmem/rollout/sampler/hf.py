@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import check_choice, check_flag, check_tags
-from ..memory.region import Region
+from ..._checks import check_choice, check_flag, check_tags
+from ...memory.region import Region
 from ._cache import batch_size_for, into_region, kv_bytes_per_token, probe, static_cache
 from ._experts import experts_modules, static_experts
 from ._fused import fused as _fused

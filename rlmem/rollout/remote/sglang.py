@@ -1,6 +1,14 @@
-"""SGLang's side of :class:`~rlmem.rollout.RemoteEngine`: which memory tags a sleep level releases,
-which of them may be resumed, the sampling keys its ``/generate`` takes, its ``flattened_bucket`` weight
-format, and the checks that keep a call of the engine from reaching a rule that kills the server.
+"""SGLang's server as an engine of this process: :class:`SGLangRemote`, and what it knows of SGLang:
+which memory tags a sleep level releases, which of them may be resumed, the sampling keys its
+``/generate`` takes, its ``flattened_bucket`` weight format, and the checks that keep a call of the engine
+from reaching a rule that kills the server.
+
+Its endpoints: ``POST /release_memory_occupation {"tags": [...]}``, ``POST /resume_memory_occupation
+{"tags": [...]}``, ``POST /generate {"text" | "input_ids", "sampling_params"}``, ``POST /flush_cache``,
+``GET /server_info``, ``POST /update_weights_from_tensor`` (its ``flattened_bucket`` format). SGLang's
+scheduler dies on a resume of a tag not released or a release while requests run: this engine keeps what
+it released, resumes only that, and releases only once its own generations have ended and the server is
+idle.
 
 As SGLang 0.5.23 behaves (its PyPI wheel, read; paths under ``sglang/srt``):
 
@@ -73,12 +81,17 @@ import io
 import sys
 import types
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ..colocate.member import RemoteError
-from ..colocate.weight_check import Checkpoint, read_checkpoint
+from ..._checks import check_flag
+from ...colocate.member import RemoteError
+from ...colocate.weight_check import Checkpoint, check_update, read_checkpoint
+from ...colocate.weights import SharedWeights
+from .base import RemoteEngine
+
+__all__ = ["SAMPLING_KEYS", "SGLangRemote"]
 
 # SGLang's release order (its resume runs them in reverse; each request names them in this order).
 ORDER = ("kv_cache", "weights", "cuda_graph")
@@ -258,12 +271,12 @@ def check_weight_cache(info: Mapping[str, Any], url: str, what: str) -> None:
 
 
 class Control:
-    """What a :class:`~rlmem.rollout.RemoteEngine` knows of its SGLang server beyond the protocol's calls,
+    """What a :class:`SGLangRemote` knows of its SGLang server beyond the protocol's calls,
     and the calls an older server lacks (FastAPI answers 404 there, which is how they are told apart: a
     version number says nothing of a build from source): the weight-update session, the pause, ``/ready``.
     Used under the engine's lock."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: SGLangRemote) -> None:
         self.engine = engine
         self.paused = False  # this engine paused the server's generation: held until all is resumed
         self.sessions: bool | None = None  # the server has /begin_weight_update (None: not asked yet)
@@ -362,7 +375,7 @@ class Control:
                 path = model.get("model_path") if isinstance(model, dict) else None
                 if not path:
                     raise LookupError("its /model_info names no model_path")
-                self._checkpoint = read_checkpoint(str(path), self.engine._sglang_info())
+                self._checkpoint = read_checkpoint(str(path), self.engine._server_info())
             except (LookupError, RemoteError, OSError, ValueError) as e:
                 if isinstance(e, ConnectionError):  # no answer: asked again next time
                     raise
@@ -376,3 +389,234 @@ class Control:
                 "here, or pass check=False to send unchecked"
             )
         return self._checkpoint
+
+
+class SGLangRemote(RemoteEngine):
+    """SGLang's server driven by the engine protocol (``RemoteEngine(url, "sglang")``); every call keeps
+    clear of the rules under which its scheduler dies (module docstring).
+
+    Example:
+        >>> engine = RemoteEngine("http://127.0.0.1:30000", flavor="sglang", device="cuda:0")
+        >>> pm.add_engine(engine)   # doctest: +SKIP
+    """
+
+    flavor: ClassVar[str] = "sglang"
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._released: set[str] = set()  # the tags this engine released (SGLang has no such endpoint)
+        self._info: dict[str, Any] | None = None  # its /server_info, read once
+        self._control: Control | None = None
+
+    def _check_generate(self) -> None:
+        if self._released:
+            raise RemoteError(
+                f"sglang server at {self.url} is released ({', '.join(sorted(self._released))}): wake it "
+                "before generating"
+            )
+
+    def _generate(
+        self, prompts: Sequence[Any], ids: bool, max_new_tokens: int, temperature: float, sampling: dict
+    ) -> Any:
+        params = sampling_params(max_new_tokens, temperature, sampling)
+        body: dict[str, Any] = {"sampling_params": params}
+        if ids:
+            body["input_ids"] = [[int(t) for t in p] for p in prompts]
+        else:
+            body["text"] = list(prompts)
+        out = self._call("POST", "/generate", json=body, timeout=self.timeout)
+        outs, cut = completions(out, ids)
+        return self._grouped(outs, cut, int(params.get("n", 1)), len(prompts))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._released)
+
+    def _flush_params(self) -> dict[str, Any] | None:
+        # SGLang waits for its scheduler to be idle up to ?timeout= and answers 400 if it was not
+        return {"timeout": self.control_timeout}
+
+    def _health_path(self) -> str:
+        # SGLang's /health generates a token: not over a KV cache this engine released, nor while it holds
+        # the server paused (read without the lock: no wait for a sleep holding it)
+        ctl = self._control
+        if self._released or (ctl is not None and ctl.paused):
+            return "/server_info"
+        return "/health"
+
+    def _server_info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = dict(self._call("GET", "/server_info") or {})
+        return self._info
+
+    def _sgl(self) -> Control:
+        with self._idle:
+            if self._control is None:
+                self._control = Control(self)
+            return self._control
+
+    def _release(self, level: int) -> bool:
+        """Release what ``level`` takes and is not released yet (False: nothing to release), only once the
+        server is idle: SGLang's scheduler dies on a release while a request runs (module docstring).
+
+        This engine's lock is held from the wait for its own generations to the release's answer, and
+        ``generate`` takes it to check what is released: no request of this engine's other threads
+        reaches the server in between. Other clients' are held by SGLang's pause (``retract``: those
+        running go back to its queue, to run after the wake), which lasts until every tag is resumed; a
+        server without ``/pause_generation`` has only the flush's check of idleness, and a request of
+        another client arriving between the flush and the release still kills it.
+        """
+        ctl = self._sgl()
+        with self._idle:
+            self._wait_own_generations()
+            info = self._server_info()
+            tags = release_tags(level, info, self._released, self.url)
+            if not tags:
+                return False
+            if "weights" in tags:
+                check_weight_cache(info, self.url, f"sleep(level={level})")
+            if not self._released:
+                ctl.refuse_if_paused_elsewhere(f"sleep(level={level})")
+            ctl.pause()
+            try:
+                wait = self.control_timeout
+                self._call("POST", "/flush_cache", params={"timeout": wait}, wait=wait)
+                self._call("POST", "/release_memory_occupation", json={"tags": tags})
+            except RemoteError as e:
+                # an answer: nothing was released (a failed release gets none, the server dies)
+                if not self._released:
+                    try:
+                        ctl.unpause()
+                    except Exception as u:
+                        e.add_note(f"and its generation could not be let go on: {u}")
+                raise
+            except Exception as e:  # no answer: what was released is not known, so nothing runs
+                e.add_note(f"sglang server at {self.url}: its generation stays paused (GET /ready says so)")
+                raise
+            self._released.update(tags)
+        return True
+
+    def _resume(self, tags: list[str] | None) -> bool:
+        """Resume the tags of ``tags`` this engine released (False: none), and once nothing is released
+        let the server's held requests run. A tag this engine did not release is never resumed (the
+        server dies on it), and, having released nothing, a server paused by another is refused."""
+        ctl = self._sgl()
+        with self._idle:
+            todo = resume_tags(tags, self._released)
+            if not todo:
+                if not self._released:
+                    ctl.refuse_if_paused_elsewhere("wake")
+                return False
+            if "weights" in todo:
+                check_weight_cache(self._server_info(), self.url, "wake")
+            self._call("POST", "/resume_memory_occupation", json={"tags": todo})
+            self._released.difference_update(todo)
+            if not self._released:
+                ctl.unpause()
+        return True
+
+    def update_weights_from_tensor(
+        self, named: Any, *, partial: bool = False, check: bool = True
+    ) -> dict[str, Any]:
+        """Send ``named`` tensors (a mapping or ``(name, tensor)`` pairs) by handle (CUDA IPC, or shared
+        memory on the host) in SGLang's ``flattened_bucket`` format (one bucket, sent to every
+        tensor-parallel rank), inside a weight-update session (``/begin_weight_update`` ...
+        ``/end_weight_update``, always ended; a server without sessions loads without one), after every
+        name, shape and dtype was checked against the checkpoint the server loaded (its ``/model_info``;
+        read once). The server copies them into its weights by name before answering, so they may change
+        once this returns.
+
+        Args:
+            named: the tensors by name.
+            partial: these are some of the model's tensors (else every one it loads is required).
+            check: check the tensors first (False: send them unchecked, where the checkpoint
+                cannot be read here; a name or shape its model lacks then kills the server).
+
+        Raises:
+            ValueError: the server's weights released by this engine (wake them first), its
+                weight cache on, a tensor its model does not have as given (named with what was sent and
+                what the model has), a set not complete without ``partial``, a checkpoint not readable
+                here (nothing is sent in each case).
+            RemoteError: the server refused (another client's session open).
+        """
+        pairs = list(named.items()) if isinstance(named, dict) else list(named)
+        return self._update(pairs, partial=check_flag("partial", partial), check=check_flag("check", check))
+
+    def update_weights(
+        self,
+        weights: SharedWeights,
+        *,
+        partial: bool = False,
+        sync: bool = True,
+        names: Sequence[str] | None = None,
+        backend: str = "rlmem",
+        verify: bool = False,
+        pause: str | None = "wait",
+    ) -> None:
+        """``weights``' parameters (``names``: these only; after ``weights.sync()`` with ``sync``) through
+        :meth:`update_weights_from_tensor`: checked against the checkpoint the server loaded, inside its
+        weight-update session. ``pause`` is vLLM's; SGLang waits for the requests in flight itself.
+
+        Raises:
+            ValueError: ``weights`` not a SharedWeights, ``verify`` or another ``backend`` (vLLM's), a name
+                not among the shared tensors, or any refusal of :meth:`update_weights_from_tensor`.
+            RemoteError: the server refused.
+        """
+        if not isinstance(weights, SharedWeights):
+            raise ValueError(f"weights must be a SharedWeights, got {type(weights).__name__}")
+        if verify or backend != "rlmem":
+            raise ValueError(
+                "update_weights: verify and backend are vLLM's; SGLang takes the tensors by handle"
+            )
+        if sync:
+            weights.sync()
+        self._update_shared(weights, names, partial)
+
+    def _update(self, pairs: list[tuple[str, torch.Tensor]], *, partial: bool, check: bool) -> dict[str, Any]:
+        """:meth:`update_weights_from_tensor` for SGLang: checked before anything is sent, then loaded in a
+        weight-update session that is always ended, under this engine's lock (no sleep or wake of it
+        meanwhile; SGLang itself waits for the requests in flight, ``tokenizer_control_mixin.py:563-598``)."""
+        ctl = self._sgl()
+        with self._idle:
+            if "weights" in self._released:  # a load into released memory would crash its scheduler
+                raise ValueError("update_weights_from_tensor: the sglang server's weights are released")
+            info = self._server_info()
+            check_weight_cache(info, self.url, "update_weights_from_tensor")
+            if check:
+                check_update(
+                    pairs,
+                    ctl.checkpoint(),
+                    partial,
+                    f"the sglang server at {self.url}",
+                    "update_weights_from_tensor",
+                )
+            flat = bucket(pairs)
+            opened = ctl.begin()
+            try:
+                # each tensor-parallel rank reads its own entry; a handle is opened once (a host tensor's
+                # descriptor is handed out once), so a dump per rank
+                data = [serialize(flat) for _ in range(int(info.get("tp_size") or 1))]
+                body = {"serialized_named_tensors": data, "load_format": "flattened_bucket"}
+                body["flush_cache"] = True
+                out = self._call("POST", "/update_weights_from_tensor", json=body, wait=ctl.generations())
+                if isinstance(out, dict) and out.get("success") is False:
+                    raise RemoteError(f"sglang server at {self.url} did not update its weights: {out}")
+            except BaseException as e:
+                if opened:
+                    ctl.end(failed=e)
+                raise
+            if opened:
+                ctl.end()
+        return out if isinstance(out, dict) else {}
+
+    def _update_shared(self, weights: SharedWeights, names: Sequence[str] | None, partial: bool) -> None:
+        """SGLang's ``update_weights(weights)``: the parameters of ``weights`` (``names``: these only; its
+        buffers are not the checkpoint's) through :meth:`update_weights_from_tensor`. The caller syncs."""
+        if names is None:
+            names = [n for n, _ in weights.model.named_parameters()]
+        names = [str(n) for n in names]
+        unknown = [n for n in names if n not in weights.tensors]
+        if unknown:
+            raise ValueError(
+                f"names: {', '.join(map(repr, unknown[:3]))} not among the shared weights' tensors"
+            )
+        self._update([(n, weights.tensors[n]) for n in names], partial=partial, check=True)

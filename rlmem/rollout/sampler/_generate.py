@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from ..._checks import check_sampling
 from ._cache import Forward, RowViews
 from ._graphs import Decode, DecodeGraphs
-from ._sampling import check_sampling, sample
+from ._sampling import sample
 from ._slots import Slots, WritePlan, decode_writes, slot_writes, step_index
 
 __all__ = ["OwnStream", "Run", "check_request", "generate_batch", "generate_full"]

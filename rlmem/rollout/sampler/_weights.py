@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._dtensor import copy_full, is_dtensor
-from .._units import round_up
-from ..memory.region import Region
+from ..._dtensor import copy_full, is_dtensor
+from ..._units import round_up
+from ...memory.region import Region
 
 __all__ = [
     "RolloutCopy",

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .._units import round_up
+from ..._units import round_up
 from ._cache import Forward, RowViews
 from ._slots import decode_writes, row_bases, step_index
 

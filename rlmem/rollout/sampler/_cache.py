@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..memory.region import Region
-from ..plan.shapes import kv_bytes_per_token as _kv_bytes
+from ...memory.region import Region
+from ...plan.shapes import kv_bytes_per_token as _kv_bytes
 from .config import kv_batch
 
 __all__ = [

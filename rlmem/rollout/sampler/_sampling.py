@@ -14,15 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["check_sampling", "eval_mode", "sample"]
-
-
-def check_sampling(temperature: float, top_p: float) -> None:
-    """Raises ``ValueError`` if ``temperature`` is negative (or NaN) or ``top_p`` is not in (0, 1]."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+__all__ = ["eval_mode", "sample"]
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
