@@ -184,7 +184,7 @@ def test_rlmem_report_does_not_import_the_training_loop(tmp_path):
         "import sys\n"
         "from rlmem.cli import main\n"
         f"main(['report', {str(tmp_path)!r}])\n"
-        "loaded = [m for m in ('rlmem.recipes.grpo', 'rlmem.recipes.policy', 'rlmem.rollout.sampler') "
+        "loaded = [m for m in ('rlmem.recipes.grpo', 'rlmem.recipes.policy', 'rlmem.rollout.sampler.hf') "
         "if m in sys.modules]\n"
         "print('LOADED', loaded)\n"
     )

@@ -360,3 +360,49 @@ def test_update_weights_is_vllms_and_takes_shared_weights(standin):
         eng.update_weights(shared, backend="ipc")
     assert not [p for _, p, _, _ in srv.requests if "weight" in p]  # refused before any call
     shared.close()
+
+
+@pytest.mark.parametrize("flavor", ["rlmem", "vllm", "sglang"])
+def test_without_max_new_tokens_each_flavor_sends_the_one_default(flavor, standin):
+    from rlmem.rollout.engine import DEFAULT_MAX_NEW_TOKENS
+
+    srv = standin(flavor)
+    eng = RemoteEngine(srv.url, flavor, timeout=20)
+    eng.generate(["ab"])
+    body = [b for m, p, _, b in srv.requests if p in ("/generate", "/v1/completions")][-1]
+    if flavor == "rlmem":  # rlmem's server applies the same default, bounded by the room its cache leaves
+        assert "max_new_tokens" not in body
+    elif flavor == "vllm":
+        assert body["max_tokens"] == DEFAULT_MAX_NEW_TOKENS
+    else:
+        assert body["sampling_params"]["max_new_tokens"] == DEFAULT_MAX_NEW_TOKENS
+    eng.close()
+
+
+@pytest.mark.parametrize("flavor", ["rlmem", "vllm", "sglang"])
+@pytest.mark.parametrize(
+    "kw", [{"temperature": -0.1}, {"temperature": float("inf")}, {"top_p": 0}, {"max_new_tokens": 0}]
+)
+def test_a_bad_sampling_setting_is_refused_before_any_request(flavor, kw, standin):
+    srv = standin(flavor)
+    eng = RemoteEngine(srv.url, flavor, timeout=20)
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        eng.generate(["ab"], **kw)
+    assert not [p for _, p, _, _ in srv.requests if p in ("/generate", "/v1/completions")]
+    eng.close()
+
+
+def test_the_flavor_registry_gives_one_class_per_server():
+    from rlmem.rollout.remote import FLAVORS, SGLangRemote, VLLMRemote, engine_class
+
+    assert FLAVORS == ("rlmem", "vllm", "sglang")
+    assert [engine_class(f).flavor for f in FLAVORS] == list(FLAVORS)
+    eng = RemoteEngine("http://127.0.0.1:9", "vllm")
+    assert type(eng) is VLLMRemote and isinstance(eng, RemoteEngine)
+    assert type(SGLangRemote("http://127.0.0.1:9")) is SGLangRemote
+    with pytest.raises(ValueError, match="SGLangRemote speaks 'sglang', not 'vllm'"):
+        SGLangRemote("http://127.0.0.1:9", "vllm")
+    with pytest.raises(ValueError, match="flavor must be one of rlmem, vllm, sglang, got 'tgi'"):
+        RemoteEngine("http://127.0.0.1:9", "tgi")
+    with pytest.raises(ValueError, match="stats: the rlmem flavor only, not 'vllm'"):
+        eng.stats()

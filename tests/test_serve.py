@@ -102,7 +102,7 @@ def test_serve_generate_sleep_wake_update_and_bad_requests(device, tmp_path, pro
 
     http = httpx.Client(base_url="http://rlmem", transport=httpx.HTTPTransport(uds=str(sock)), timeout=60)
     # Without max_new_tokens: the room the longest prompt leaves within this server's max_len (48, less
-    # than the default of 64 a request would otherwise be refused for).
+    # than the default of 256 a request would otherwise be refused for).
     r = http.post("/generate", json={"input_ids": ids})
     assert r.status_code == 200, r.text
     room = MAX_LEN - max(len(x) for x in ids)
@@ -175,14 +175,16 @@ def test_serve_generate_sleep_wake_update_and_bad_requests(device, tmp_path, pro
 
 def test_serve_default_max_new_tokens_fits_max_len(device, monkeypatch):
     """Without ``max_new_tokens`` a request gets the room its longest prompt leaves within ``max_len``, at
-    most 64, and a 400 naming the prompt's length and ``max_len`` when there is none (the app in this
+    most the one default (256, ``rollout.engine.generation_length``), and a 400 naming the prompt's length and ``max_len`` when there is none (the app in this
     process: what the sampler is asked for is the point, and an EOS would hide it in the answer)."""
     from fastapi.testclient import TestClient
 
     from rlmem.serve.app import make_app
     from rlmem.serve.core import ServedModel
 
-    max_len = 96
+    from rlmem.rollout.engine import DEFAULT_MAX_NEW_TOKENS
+
+    max_len = DEFAULT_MAX_NEW_TOKENS + 40
     model = load_model("tiny", torch.device(device), _dtype(device), max_len=max_len)
     kw = dict(max_len=max_len, batch_size=4, pad_token_id=0, eos_token_id=2, cuda_graphs="off")
     core = ServedModel(model.eval(), sampler=kw, name="tiny")
@@ -197,8 +199,8 @@ def test_serve_default_max_new_tokens_fits_max_len(device, monkeypatch):
     try:
         http = TestClient(make_app(core))
         for lengths, want in [
-            ([6, 3], 64),  # room for more: capped at the old fixed default
-            ([40, 3], max_len - 40),  # the longest prompt leaves less
+            ([6, 3], DEFAULT_MAX_NEW_TOKENS),  # room for more: capped at the one default
+            ([60, 3], max_len - 60),  # the longest prompt leaves less
             ([max_len - 1], 1),
         ]:
             r = http.post("/generate", json={"input_ids": [[1] * n for n in lengths]})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -12,9 +13,25 @@ from typing import Any
 from .._lazy import moved_names
 from .._units import parse_bytes
 from ..models.tokenizer import CHAT_TEMPLATES
+from ..rollout.engine import Sampling
+from ..rollout.sampler.config import CUDA_GRAPHS
 from .task import SortDigitsTask
 
-__all__ = ["PRECISIONS", "ROLLOUT_DTYPES", "GRPOConfig", "is_fraction", "keys_help", "train_parser"]
+__all__ = [
+    "PRECISIONS",
+    "ROLLOUT_DTYPES",
+    "SECTIONS",
+    "DataKeys",
+    "GRPOConfig",
+    "OffloadKeys",
+    "RolloutKeys",
+    "RunKeys",
+    "Sampling",
+    "UpdateKeys",
+    "is_fraction",
+    "keys_help",
+    "train_parser",
+]
 # the embedded model's shape is rlmem.models' (serve builds it too); its old name keeps working one release
 __getattr__ = moved_names(__name__, {"TINY": "rlmem.models.tiny"})
 
@@ -25,15 +42,97 @@ ROLLOUT_DTYPES = (None, "none", "bf16", "fp16")
 
 
 ENGINES = ("local", "server")
+COMMS = ("keep", "suspend")  # OffloadConfig.comms's values
+
+
+def _need(config: Any, name: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {what}, got {getattr(config, name)!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class _Section:
+    """A section of ``rlmem train``'s keys: defined, defaulted and validated once, in one class; its owner
+    takes it whole with :meth:`of`."""
+
+    @classmethod
+    def of(cls, config: Any) -> Any:
+        """This section of ``config`` (``GRPOConfig``, or any object with these keys as attributes)."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
 
 
 @dataclass(kw_only=True)
-class GRPOConfig:
-    """Everything a run takes; the YAML keys and ``key=value`` overrides of ``rlmem train``.
+class RunKeys(_Section):
+    """The run itself: what it trains, where, how long, and what it writes (the loop's keys).
 
     Args:
         model: ``"tiny"`` (embedded), a preset of :mod:`rlmem.models.presets` (random init), a directory
             saved with ``save_pretrained``, or a GGUF file (:func:`rlmem.models.load_model`).
+        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+        seed: seeds the model init, the prompts and the sampler.
+        steps: rollout + train iterations.
+        prompts_per_step: prompts per step over all ranks; ``group_size`` completions each.
+        group_size: completions per prompt (>= 2: advantages compare the samples of a group).
+        precision: ``"fp32"``, ``"bf16-mixed"`` (fp32 weights, bf16 autocast), ``"fp16-mixed"`` (fp32
+            weights, fp16 autocast, dynamic loss scaling: skipped steps are logged), ``"bf16"`` (bf16
+            weights) or ``"auto"`` (bf16-mixed on CUDA, fp32 on CPU).
+        save_every: write ``out_dir/checkpoint-STEP/`` every this many steps and at the end; None: at the
+            end only; 0: never.
+        resume: ``"auto"`` (the latest checkpoint in ``out_dir``, if any) or a checkpoint directory.
+        logger: ``"tensorboard"``, ``"wandb"`` or both comma-separated, besides ``log.jsonl``; None: none.
+        out_dir: where the log, timeline, table and plot go.
+        progress: draw a progress bar on a terminal.
+        plot: write ``memory.png`` at the end (needs matplotlib).
+    """
+
+    model: str = "tiny"
+    device: str = "auto"
+    seed: int = 0
+    steps: int = 200
+    prompts_per_step: int = 32
+    group_size: int = 8
+    precision: str = "auto"
+    save_every: int | None = None
+    resume: str | None = None
+    logger: str | None = None
+    out_dir: str = "runs/grpo"
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        need = functools.partial(_need, self)
+        need("model", isinstance(self.model, str) and bool(self.model), "'tiny', a preset or a directory")
+        need("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
+        need("seed", _is_int(self.seed) and self.seed >= 0, "an int >= 0")
+        for f in ("steps", "prompts_per_step", "group_size"):
+            need(f, _is_int(getattr(self, f)) and getattr(self, f) >= 1, "an int >= 1")
+        need("group_size", self.group_size >= 2, "an int >= 2 (advantages compare samples of a group)")
+        need("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
+        se = self.save_every
+        need("save_every", se is None or (_is_int(se) and se >= 0), "None, 0 (never) or an int >= 1")
+        need("resume", self.resume is None or (isinstance(self.resume, str) and bool(self.resume)), "a path")
+        need("logger", self.logger is None or isinstance(self.logger, str), "tensorboard, wandb, or both")
+        if self.logger:
+            from .loggers import parse_loggers
+
+            parse_loggers(self.logger)
+        need("out_dir", isinstance(self.out_dir, str) and bool(self.out_dir), "a path")
+        for f in ("progress", "plot"):
+            need(f, isinstance(getattr(self, f), bool), "true or false")
+
+
+@dataclass(kw_only=True)
+class DataKeys(_Section):
+    """The prompts and how they are scored: the keys :func:`rlmem.recipes.prompts.make_prompts` takes.
+
+    Args:
         data: a local JSONL, JSON, CSV or Parquet file (or a directory of them) of prompts and answers; None:
             the embedded sort-digits task.
         prompt_key, answer_key: the data's columns (a prompt is a string or a list of chat messages).
@@ -42,24 +141,60 @@ class GRPOConfig:
         tokenizer: a directory holding the tokenizer; None: the model's directory (with ``data``).
         chat_template: ``"auto"`` (the tokenizer's chat template when it has one) or ``"none"``.
         max_prompt_len: prompts longer than this (in tokens) are dropped and counted.
-        save_every: write ``out_dir/checkpoint-STEP/`` every this many steps and at the end; None: at the
-            end only; 0: never.
-        resume: ``"auto"`` (the latest checkpoint in ``out_dir``, if any) or a checkpoint directory.
         eval_data: a data set like ``data`` (``arithmetic``: the built-in task's held-out split) scored with
             greedy decoding and the same reward (``eval/reward``): before the first update
             (``eval_before_train``), after every ``eval_every`` updates, and after the last one; each eval
             is a line of the step log and of ``log.jsonl`` (``eval_step``: the updates made before it).
-            eval_every: 0 only the one before training.
+        eval_every: 0: only the one before training.
         eval_before_train: evaluate the model as given before the first update (with ``eval_data``), so every
             curve starts at the model's own baseline.
-        logger: ``"tensorboard"``, ``"wandb"`` or both comma-separated, besides ``log.jsonl``; None: none.
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
-        seed: seeds the model init, the prompts and the sampler.
-        steps: rollout + train iterations.
-        prompts_per_step: prompts per step over all ranks; ``group_size`` completions each.
-        min_digits, max_digits: the task's prompt lengths.
-        max_new_tokens: completion limit; None: the task's answer length plus two.
-        temperature, top_p: sampling.
+        min_digits, max_digits: the toy task's prompt lengths.
+    """
+
+    data: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward: str = "auto"
+    tokenizer: str | None = None
+    chat_template: str = "auto"
+    max_prompt_len: int = 512
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_before_train: bool = True
+    min_digits: int = 2
+    max_digits: int = 5
+
+    def __post_init__(self) -> None:
+        need = functools.partial(_need, self)
+        for f in ("data", "tokenizer", "eval_data"):
+            v = getattr(self, f)
+            need(f, v is None or (isinstance(v, str) and bool(v)), "a path")
+        for f in ("prompt_key", "reward"):
+            need(f, isinstance(getattr(self, f), str) and bool(getattr(self, f)), "a non-empty string")
+        need("answer_key", isinstance(self.answer_key, str), "a string ('' for rewards that need no answer)")
+        need("chat_template", self.chat_template in CHAT_TEMPLATES, "'auto' or 'none'")
+        need("max_prompt_len", _is_int(self.max_prompt_len) and self.max_prompt_len >= 1, "an int >= 1")
+        need("eval_before_train", isinstance(self.eval_before_train, bool), "true or false")
+        need("eval_every", _is_int(self.eval_every) and self.eval_every >= 0, "an int >= 0 (0: never)")
+        need(
+            "eval_data",
+            self.eval_data is None or self.data is not None,
+            "unset without data= (the toy has none)",
+        )
+        need("eval_every", not self.eval_every or self.eval_data is not None, "0 without eval_data=")
+        need(
+            "reward",
+            self.data is not None or self.reward in ("auto", "sort_digits"),
+            "'auto' or 'sort_digits' without data= (the toy task scores itself)",
+        )
+        SortDigitsTask(min_digits=self.min_digits, max_digits=self.max_digits)  # validates both
+
+
+@dataclass(kw_only=True)
+class UpdateKeys(_Section):
+    """The train phase: the optimizer, the GRPO loss and how a batch is cut (the update's keys).
+
+    Args:
         lr, weight_decay, max_grad_norm: AdamW and gradient clipping.
         clip_eps: PPO ratio clip.
         kl_coef: weight of the KL penalty to the initial policy; 0 builds no reference model.
@@ -69,69 +204,13 @@ class GRPOConfig:
             (:func:`rlmem.token_budget_batches`, padded to each micro-batch's longest sequence, the same
             number of micro-batches on every rank).
         max_tokens_per_micro_batch: the budget with ``dynamic_batching`` (sequences x longest length).
-        precision: ``"fp32"``, ``"bf16-mixed"`` (fp32 weights, bf16 autocast), ``"fp16-mixed"`` (fp32
-            weights, fp16 autocast, dynamic loss scaling: skipped steps are logged), ``"bf16"`` (bf16
-            weights) or ``"auto"`` (bf16-mixed on CUDA, fp32 on CPU).
-        offload: switch memory between phases with rlmem; None: on for CUDA, off on CPU.
-        kv_budget: KV cache size: bytes (``"16GiB"``), a fraction of the device's total memory (0 < x <= 1),
-            or None for exactly one rollout batch. Never larger than the rollout needs.
-        cuda_graphs: ``"auto"`` (on for CUDA), ``"on"`` or ``"off"``: the rollout's decode steps as CUDA
-            graph replays (captured once per batch-size bucket, kept across phase switches).
-        rollout_dtype: ``"auto"`` (default: on a GPU under ``bf16-mixed`` or ``fp16-mixed``, the autocast
-            dtype; otherwise none), ``"none"`` / ``None`` (the rollout runs the training weights) or
-            ``"bf16"`` / ``"fp16"``: sample from a copy of the policy in that dtype, refreshed at the start
-            of every rollout. With fp32 weights each decode step then reads half the bytes and casts
-            nothing, the fp32 weights leave the device during rollout, and the CUDA graphs hold no casts of
-            them (on the 2.7B example, 4.5 GiB of graph pool through the train phase under autocast against
-            0.2 GiB); the matrix products see the same bf16 weights either way.
         gradient_checkpointing: Hugging Face's activation checkpointing in the train phase.
-        comms: ``"keep"`` or ``"suspend"``: under torchrun on GPUs with offload on, the NCCL communicators
-            give their GPU memory back during rollout (:func:`rlmem.comm.suspend`); FSDP's weights are
-            gathered for the rollout before they go, and the rollout's own reductions use a Gloo group.
-        overlap_offload: with offload on, the optimizer states' copies to host memory go on while the
-            rollout's prefill runs, as far as the memory the previous rollout took allows
-            (:class:`rlmem.OffloadConfig` ``overlap_offload``); off: the rollout starts once they are done.
-        engine: ``"local"`` (the sampler in this process) or ``"server"``: ``rlmem serve`` in a process of its
-            own on the same GPU samples from this process's rollout copy of the policy (shared, not copied:
-            ``rollout_dtype``, else the training dtype), handing the device over through a broker at each
-            phase switch; its memory shows in the timeline and the table as ``server_*``. Under torchrun every
-            rank has its own server on its GPU, sampling that rank's share of the prompts.
-        engine_url: with ``engine=server``, a server already running (``rlmem serve --weights shared
-            --broker PATH``, e.g. ``unix:///PATH`` or ``http://127.0.0.1:PORT``) instead of starting one;
-            it must have joined a broker this process can reach (its ``/health`` says where). Under torchrun
-            ``{local_rank}`` in it is each rank's local rank (``unix:///run/rlmem/serve-{local_rank}.sock``).
-        out_dir: where the log, timeline, table and plot go.
-        progress: draw a progress bar on a terminal.
-        plot: write ``memory.png`` at the end (needs matplotlib).
-
-    Raises:
-        ValueError: a field is out of range; the message names it.
+        share_prompts: a group's prompt is held once: the sampler prefills it once per group and keeps its
+            keys and values once, and the scoring and the update forward it once per group with the
+            group's completions against it (equal to the unshared path within fp32 rounding); false: every
+            sample carries its own copy, as before.
     """
 
-    model: str = "tiny"
-    data: str | None = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    reward: str = "auto"
-    tokenizer: str | None = None
-    chat_template: str = "auto"
-    max_prompt_len: int = 512
-    save_every: int | None = None
-    resume: str | None = None
-    eval_data: str | None = None
-    eval_every: int = 0
-    eval_before_train: bool = True
-    logger: str | None = None
-    device: str = "auto"
-    seed: int = 0
-    steps: int = 200
-    prompts_per_step: int = 32
-    group_size: int = 8
-    min_digits: int = 2
-    max_digits: int = 5
-    max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
     lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -141,54 +220,65 @@ class GRPOConfig:
     micro_batch_size: int = 64
     dynamic_batching: bool = False
     max_tokens_per_micro_batch: int | None = None
-    precision: str = "auto"
-    offload: bool | None = None
+    gradient_checkpointing: bool = False
+    share_prompts: bool = True
+
+    def __post_init__(self) -> None:
+        need = functools.partial(_need, self)
+        need("lr", _is_num(self.lr) and self.lr > 0, "a number > 0")
+        for f in ("weight_decay", "kl_coef"):
+            need(f, _is_num(getattr(self, f)) and getattr(self, f) >= 0, "a number >= 0")
+        need("max_grad_norm", _is_num(self.max_grad_norm) and self.max_grad_norm > 0, "a number > 0")
+        need("clip_eps", _is_num(self.clip_eps) and 0 < self.clip_eps < 1, "in (0, 1)")
+        for f in ("updates_per_step", "micro_batch_size"):
+            need(f, _is_int(getattr(self, f)) and getattr(self, f) >= 1, "an int >= 1")
+        mt = self.max_tokens_per_micro_batch
+        need("max_tokens_per_micro_batch", mt is None or (_is_int(mt) and mt >= 1), "None or an int >= 1")
+        need(
+            "max_tokens_per_micro_batch",
+            not self.dynamic_batching or mt is not None,
+            "set (an int >= 1) when dynamic_batching is true",
+        )
+        for f in ("dynamic_batching", "gradient_checkpointing", "share_prompts"):
+            need(f, isinstance(getattr(self, f), bool), "true or false")
+
+
+@dataclass(kw_only=True)
+class RolloutKeys(_Section):
+    """Where and with what the rollout samples (the engine's keys).
+
+    Args:
+        engine: ``"local"`` (the sampler in this process) or ``"server"``: ``rlmem serve`` in a process of its
+            own on the same GPU samples from this process's rollout copy of the policy (shared, not copied:
+            ``rollout_dtype``, else the training dtype), handing the device over through a broker at each
+            phase switch; its memory shows in the timeline and the table as ``server_*``. Under torchrun every
+            rank has its own server on its GPU, sampling that rank's share of the prompts.
+        engine_url: with ``engine=server``, a server already running (``rlmem serve --weights shared
+            --broker PATH``, e.g. ``unix:///PATH`` or ``http://127.0.0.1:PORT``) instead of starting one;
+            it must have joined a broker this process can reach (its ``/health`` says where). Under torchrun
+            ``{local_rank}`` in it is each rank's local rank (``unix:///run/rlmem/serve-{local_rank}.sock``).
+        kv_budget: KV cache size: bytes (``"16GiB"``), a fraction of the device's total memory (0 < x <= 1),
+            or None for exactly one rollout batch. Never larger than the rollout needs.
+        cuda_graphs: ``"auto"`` (on for CUDA), ``"on"`` or ``"off"``: the rollout's decode steps as CUDA
+            graph replays (captured once per batch-size bucket, kept across phase switches); the sampler's
+            own setting (:class:`rlmem.rollout.SamplerConfig`).
+        rollout_dtype: ``"auto"`` (default: on a GPU under ``bf16-mixed`` or ``fp16-mixed``, the autocast
+            dtype; otherwise none), ``"none"`` / ``None`` (the rollout runs the training weights) or
+            ``"bf16"`` / ``"fp16"``: sample from a copy of the policy in that dtype, refreshed at the start
+            of every rollout. With fp32 weights each decode step then reads half the bytes and casts
+            nothing, the fp32 weights leave the device during rollout, and the CUDA graphs hold no casts of
+            them (on the 2.7B example, 4.5 GiB of graph pool through the train phase under autocast against
+            0.2 GiB); the matrix products see the same bf16 weights either way.
+    """
+
+    engine: str = "local"
+    engine_url: str | None = None
     kv_budget: int | float | str | None = None
     cuda_graphs: str = "auto"
     rollout_dtype: str | None = "auto"
-    gradient_checkpointing: bool = False
-    comms: str = "keep"
-    overlap_offload: bool = False
-    engine: str = "local"
-    engine_url: str | None = None
-    out_dir: str = "runs/grpo"
-    progress: bool = True
-    plot: bool = True
 
     def __post_init__(self) -> None:
-        def need(name: str, ok: bool, what: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
-
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-        need("model", isinstance(self.model, str) and bool(self.model), "'tiny', a preset or a directory")
-        need("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
-        for f in ("seed",):
-            need(f, is_int(getattr(self, f)) and getattr(self, f) >= 0, "an int >= 0")
-        for f in ("steps", "prompts_per_step", "group_size", "updates_per_step", "micro_batch_size"):
-            need(f, is_int(getattr(self, f)) and getattr(self, f) >= 1, "an int >= 1")
-        need("group_size", self.group_size >= 2, "an int >= 2 (advantages compare samples of a group)")
-        mnt = self.max_new_tokens
-        need("max_new_tokens", mnt is None or (is_int(mnt) and mnt >= 1), "None or an int >= 1")
-        need("temperature", is_num(self.temperature) and self.temperature > 0, "a number > 0")
-        need("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
-        need("lr", is_num(self.lr) and self.lr > 0, "a number > 0")
-        for f in ("weight_decay", "kl_coef"):
-            need(f, is_num(getattr(self, f)) and getattr(self, f) >= 0, "a number >= 0")
-        need("max_grad_norm", is_num(self.max_grad_norm) and self.max_grad_norm > 0, "a number > 0")
-        need("clip_eps", is_num(self.clip_eps) and 0 < self.clip_eps < 1, "in (0, 1)")
-        need("precision", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")
-        need("cuda_graphs", self.cuda_graphs in ("auto", "on", "off"), "'auto', 'on' or 'off'")
-        rd = self.rollout_dtype
-        known = rd is None or (isinstance(rd, str) and (rd == "auto" or rd in ROLLOUT_DTYPES))
-        need("rollout_dtype", known, "'auto', 'none' (or null), 'bf16' or 'fp16'")
-        need("offload", self.offload in (None, True, False), "true, false or null (auto)")
-        need("comms", self.comms in ("keep", "suspend"), "'keep' or 'suspend'")
+        need = functools.partial(_need, self)
         need("engine", self.engine in ENGINES, "'local' or 'server'")
         eu = self.engine_url
         need(
@@ -202,54 +292,66 @@ class GRPOConfig:
                 eu.format(local_rank=0)
             except (KeyError, IndexError, ValueError):
                 need("engine_url", False, "a URL whose only placeholder is {local_rank}")
-        mt = self.max_tokens_per_micro_batch
-        need("max_tokens_per_micro_batch", mt is None or (is_int(mt) and mt >= 1), "None or an int >= 1")
-        need(
-            "max_tokens_per_micro_batch",
-            not self.dynamic_batching or mt is not None,
-            "set (an int >= 1) when dynamic_batching is true",
-        )
-        flags = ("gradient_checkpointing", "progress", "plot", "dynamic_batching", "overlap_offload")
-        for f in (*flags, "eval_before_train"):
-            need(f, isinstance(getattr(self, f), bool), "true or false")
-        need("out_dir", isinstance(self.out_dir, str) and bool(self.out_dir), "a path")
-        need("eval_every", is_int(self.eval_every) and self.eval_every >= 0, "an int >= 0 (0: never)")
-        need(
-            "eval_data",
-            self.eval_data is None or self.data is not None,
-            "unset without data= (the toy has none)",
-        )
-        need("eval_every", not self.eval_every or self.eval_data is not None, "0 without eval_data=")
-        need("logger", self.logger is None or isinstance(self.logger, str), "tensorboard, wandb, or both")
-        if self.logger:
-            from .loggers import parse_loggers
-
-            parse_loggers(self.logger)
-        for f in ("data", "tokenizer", "resume", "eval_data"):
-            need(
-                f,
-                getattr(self, f) is None or (isinstance(getattr(self, f), str) and getattr(self, f)),
-                "a path",
-            )
-        for f in ("prompt_key", "reward"):
-            need(f, isinstance(getattr(self, f), str) and bool(getattr(self, f)), "a non-empty string")
-        need("answer_key", isinstance(self.answer_key, str), "a string ('' for rewards that need no answer)")
-        need("chat_template", self.chat_template in CHAT_TEMPLATES, "'auto' or 'none'")
-        need("max_prompt_len", is_int(self.max_prompt_len) and self.max_prompt_len >= 1, "an int >= 1")
-        se = self.save_every
-        need("save_every", se is None or (is_int(se) and se >= 0), "None, 0 (never) or an int >= 1")
-        need(
-            "reward",
-            self.data is not None or self.reward in ("auto", "sort_digits"),
-            "'auto' or 'sort_digits' without data= (the toy task scores itself)",
-        )
-        SortDigitsTask(min_digits=self.min_digits, max_digits=self.max_digits)  # validates both
+        need("cuda_graphs", self.cuda_graphs in CUDA_GRAPHS, "'auto', 'on' or 'off'")
+        rd = self.rollout_dtype
+        known = rd is None or (isinstance(rd, str) and (rd == "auto" or rd in ROLLOUT_DTYPES))
+        need("rollout_dtype", known, "'auto', 'none' (or null), 'bf16' or 'fp16'")
         if self.kv_budget is not None:
             v = self.kv_budget
             if isinstance(v, float) or (isinstance(v, str) and is_fraction(v)):
                 need("kv_budget", 0 < float(v) <= 1, "bytes like '16GiB' or a fraction in (0, 1]")
             else:
                 parse_bytes(v, "kv_budget")
+
+
+@dataclass(kw_only=True)
+class OffloadKeys(_Section):
+    """How memory switches between the phases (the keys the recipe's one :class:`rlmem.PhaseManager` is
+    built from, in :meth:`rlmem.recipes.policy.Policy.manage_memory`).
+
+    Args:
+        offload: switch memory between phases with rlmem; None: on for CUDA, off on CPU
+            (:meth:`enabled`).
+        comms: ``"keep"`` or ``"suspend"``: under torchrun on GPUs with offload on, the NCCL communicators
+            give their GPU memory back during rollout (:func:`rlmem.comm.suspend`); FSDP's weights are
+            gathered for the rollout before they go, and the rollout's own reductions use a Gloo group.
+        overlap_offload: with offload on, the optimizer states' copies to host memory go on while the
+            rollout's prefill runs, as far as the memory the previous rollout took allows
+            (:class:`rlmem.OffloadConfig` ``overlap_offload``); off: the rollout starts once they are done.
+    """
+
+    offload: bool | None = None
+    comms: str = "keep"
+    overlap_offload: bool = False
+
+    def __post_init__(self) -> None:
+        need = functools.partial(_need, self)
+        need("offload", self.offload in (None, True, False), "true, false or null (auto)")
+        need("comms", self.comms in COMMS, "'keep' or 'suspend'")
+        need("overlap_offload", isinstance(self.overlap_offload, bool), "true or false")
+
+    def enabled(self, on_cuda: bool) -> bool:
+        """Whether rlmem switches memory between phases: ``offload``, or on for CUDA where it is None."""
+        return self.offload if self.offload is not None else on_cuda
+
+
+SECTIONS = (RunKeys, DataKeys, Sampling, UpdateKeys, RolloutKeys, OffloadKeys)
+
+
+@dataclass(kw_only=True)
+class GRPOConfig(OffloadKeys, RolloutKeys, UpdateKeys, Sampling, DataKeys, RunKeys):
+    """Everything a run takes; the YAML keys and ``key=value`` overrides of ``rlmem train``: the sections
+    of the components that use them, flat (:data:`SECTIONS`: the run, the data, the sampling, the update,
+    the rollout engine, the offload; each key is defined, defaulted and validated once, in its section,
+    and each component takes its section whole with ``Section.of(config)``).
+
+    Raises:
+        ValueError: a key is out of range; the message names it.
+    """
+
+    def __post_init__(self) -> None:
+        for section in SECTIONS:
+            section.__post_init__(self)
 
 
 def is_fraction(s: str) -> bool:
@@ -262,11 +364,13 @@ def is_fraction(s: str) -> bool:
 
 
 def keys_help() -> str:
-    """Every key of :class:`GRPOConfig` with its type and default, one per line."""
-    lines = ["config keys (YAML or key=value; GRPOConfig's fields):"]
-    for f in dataclasses.fields(GRPOConfig):
-        default = f.default if f.default is not dataclasses.MISSING else None
-        lines.append(f"  {f.name:<28} {f.type!s:<26} default {default!r}")
+    """Every key of :class:`GRPOConfig` with its type and default, one per line, by section."""
+    lines = ["config keys (YAML or key=value; GRPOConfig's fields), by section:"]
+    for section in SECTIONS:
+        lines.append(f"  {section.__name__}: {(section.__doc__ or '').splitlines()[0]}")
+        for f in dataclasses.fields(section):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            lines.append(f"    {f.name:<26} {f.type!s:<26} default {default!r}")
     return "\n".join(lines)
 
 

@@ -150,8 +150,7 @@ def _train(
     )
     if cfg.save_every != 0:  # a run that could not save its end is refused before it starts
         checkpoint.preflight(cfg.out_dir, data=prompts.state_dict(), config=dataclasses.asdict(cfg), **what)
-    policy.manage_memory()
-    pm = policy.pm
+    pm = policy.manage_memory()
 
     def save(done: int) -> Path:
         extra = {"scaler": rt.scaler.state_dict()} if rt.scaler is not None else None
@@ -161,7 +160,7 @@ def _train(
     tl = MemoryTimeline(rt.device)
     track(tl, policy)
     copy = f", rollout {str(rt.rollout_dtype).removeprefix('torch.')}" if rt.rollout_dtype else ""
-    say(banner(cfg, policy.n_params, rt.world, rt.device, rt.precision + copy, policy.offload))
+    say(banner(cfg, policy.n_params, rt.world, rt.device, rt.precision + copy, pm.enabled))
     saved_at = start if cfg.resume is not None and start else None
     done, updating, interrupted, together = start, False, False, True
     lost: EngineLostError | None = None
@@ -186,7 +185,7 @@ def _train(
                         t0 = time.perf_counter()
                         comps = engine.generate(
                             group,
-                            max_new_tokens=prompts.max_new,
+                            max_new_tokens=prompts.max_new_tokens,
                             temperature=cfg.temperature,
                             top_p=cfg.top_p,
                             seed=cfg.seed * 1_000_003 + step * rt.world + rt.rank,
@@ -246,7 +245,7 @@ def _train(
                     sync_s=policy.last_sync_s,
                     logprobs_s=logprobs_s,
                 )
-                log.step(log.record(res, tl, engine, pm.stats().switches if policy.offload else None))
+                log.step(log.record(res, tl, engine, pm.stats().switches if pm.enabled else None))
                 done = step + 1
                 if cfg.save_every and done % cfg.save_every == 0:
                     save(done)
@@ -273,7 +272,7 @@ def _train(
             pm.resume_comms()  # the evaluation's switch to rollout suspended them; the run's end meets
         policy.close()  # before the summary: the server's last report is in the ledger's final samples
     by = signal.Signals(stop.signum).name if stop.signum else None
-    summary = log.finish(tl, policy.offload, done=done, interrupted=interrupted, together=together, by=by)
+    summary = log.finish(tl, pm.enabled, done=done, interrupted=interrupted, together=together, by=by)
     tl.check_leaks()
     if lost is not None:
         raise lost

@@ -68,6 +68,7 @@ OTHER = {
     "dynamic_batching": "the order of float sums only",
     "max_tokens_per_micro_batch": "the order of float sums only",
     "gradient_checkpointing": "memory: the same results",
+    "share_prompts": "memory and speed: the same results within fp32 rounding",
     "offload": "memory: the same results bit for bit",
     "kv_budget": "memory: the rollout's batch",
     "cuda_graphs": "speed: the same decode",

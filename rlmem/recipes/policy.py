@@ -25,9 +25,9 @@ from ..rollout.sampler import HFSampler, kv_bytes_per_token
 from ..rollout.sampler.config import SamplerConfig, kv_batch
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
-from .config import GRPOConfig, is_fraction
+from .config import GRPOConfig, OffloadKeys, is_fraction
 from .prompts import PromptSource
-from .runtime import Runtime, local_rank, offload
+from .runtime import Runtime, local_rank
 
 __all__ = ["Policy", "build_policy", "materialize_optimizer_state"]
 
@@ -45,10 +45,11 @@ class Policy:
 
     Attributes:
         model, ref, opt: the policy, its frozen reference (None without ``kl_coef``) and AdamW.
-        pm: the PhaseManager (disabled without offload): during rollout the optimizer states wait in pinned
-            host memory and gradients are dropped; the rollout runs on the policy's own weights, or on its
-            ``rollout_dtype`` copy, synced at every rollout (so the engine discards it while asleep), and
-            then the training weights wait in pinned host memory too.
+        pm: the PhaseManager, built once by :meth:`manage_memory` (disabled without offload): during
+            rollout the optimizer states wait in pinned host memory and gradients are dropped; the rollout
+            runs on the policy's own weights, or on its ``rollout_dtype`` copy, synced at every rollout
+            (so the engine discards it while asleep), and then the training weights wait in pinned host
+            memory too.
         ref_state: the reference's TrainState with offload on: it is on the device only while it scores.
         engine: the sampler, made at the first rollout (once the train state has made room).
     """
@@ -56,7 +57,6 @@ class Policy:
     def __init__(self, cfg: GRPOConfig, rt: Runtime, prompts: PromptSource) -> None:
         self.cfg, self.rt = cfg, rt
         self.prompts = prompts
-        self.offload = offload(cfg, rt)
         model = build_policy(cfg, rt.device, rt.param_dtype, prompts.vocab, prompts.max_len)
         if cfg.gradient_checkpointing:  # Hugging Face's switch (renamed in transformers 5.x)
             enable = (
@@ -73,32 +73,41 @@ class Policy:
         materialize_optimizer_state(self.opt)
         # The rollout samples from a copy of its own (``rollout_dtype``, or the server's shared one).
         self.own_copy = rt.rollout_dtype is not None or cfg.engine == "server"
-        self.pm = PhaseManager(model, self.opt)  # disabled until manage_memory()
+        self.pm: PhaseManager | None = None  # built by manage_memory(), once
         self.ref_state: TrainState | None = None
         self.engine: HFSampler | ServerRollout | None = None
         self.last_sync_s: float | None = None  # the last weight sync's time (None: none this step)
 
-    def manage_memory(self) -> None:
-        """Hand the memory to rlmem (with offload on): after a resume has loaded the weights and optimizer
-        states, so that what is adopted is what trains."""
+    def manage_memory(self) -> PhaseManager:
+        """Build the run's one PhaseManager and hand it the memory (with offload on: ``rt.offload``), from
+        the config's :class:`~rlmem.recipes.config.OffloadKeys`: after a resume has loaded the weights and
+        optimizer states, so that what is adopted is what trains.
+
+        Raises:
+            RuntimeError: called a second time (two PhaseManagers would adopt the same state).
+        """
+        if self.pm is not None:
+            raise RuntimeError("manage_memory: the PhaseManager is built once per run, and it is built")
+        keys = OffloadKeys.of(self.cfg)
         self.pm = PhaseManager(
             self.model,
             self.opt,
             OffloadConfig(
-                offload_during_rollout=self.offload,
+                offload_during_rollout=self.rt.offload,
                 # A rollout copy samples without the training weights: they leave the device too.
                 params="offload" if self.own_copy else "keep",
                 grads="discard",
                 optimizer="offload",
                 engine_sleep_level=2 if self.own_copy else 1,
                 empty_cache=releases_cache(self.cfg),
-                comms=self.cfg.comms,
-                overlap_offload=self.cfg.overlap_offload,
+                comms=keys.comms,
+                overlap_offload=keys.overlap_offload,
             ),
         )
-        if self.ref is not None and self.offload:
+        if self.ref is not None and self.rt.offload:
             self.ref_state = TrainState(self.ref, None, name="reference")
             self.ref_state.offload(params="offload", blocking=True)
+        return self.pm
 
     @property
     def n_params(self) -> int:
@@ -140,6 +149,7 @@ class Policy:
 
     def make_engine(self) -> HFSampler | ServerRollout:
         """The engine, made once; its KV cache is sized once the train state has made room."""
+        assert self.pm is not None, "manage_memory() builds the PhaseManager before the first rollout"
         if self.engine is None:
             cfg, rt = self.cfg, self.rt
             rollout_dtype = rt.rollout_dtype

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..models.tiny import CharTokenizer
 from ..models.tokenizer import TextTokenizer, load_tokenizer
+from ..rollout.engine import generation_length
 from . import arithmetic
 from .config import GRPOConfig
 from .rewards import load_reward, score
@@ -38,13 +39,14 @@ class Batch:
 class PromptSource(Protocol):
     """What the loop needs of its prompts.
 
-    ``max_len`` is the longest sequence a rollout makes (prompt and completion), ``max_new`` the completion
-    limit, ``vocab``, ``pad_id`` and ``eos_id`` what the policy and sampler are built with, and
-    ``tokenizer`` what a checkpoint saves beside the model (None for the embedded task).
+    ``max_len`` is the longest sequence a rollout makes (prompt and completion), ``max_new_tokens`` the
+    completion limit (:func:`rlmem.rollout.engine.generation_length`'s, resolved here once), ``vocab``,
+    ``pad_id`` and ``eos_id`` what the policy and sampler are built with, and ``tokenizer`` what a
+    checkpoint saves beside the model (None for the embedded task).
     """
 
     max_len: int
-    max_new: int
+    max_new_tokens: int
     vocab: int
     pad_id: int
     eos_id: int
@@ -75,8 +77,9 @@ class TaskPrompts:
     def __init__(self, cfg: GRPOConfig) -> None:
         self.tok = CharTokenizer()
         self.task = SortDigitsTask(min_digits=cfg.min_digits, max_digits=cfg.max_digits)
-        self.max_new = cfg.max_new_tokens or self.task.max_answer_tokens + 2
-        self.max_len = 2 + self.task.max_digits + self.max_new  # BOS, digits, '=', completion
+        # the task knows its room: an answer and two more tokens
+        self.max_new_tokens = generation_length(cfg.max_new_tokens, room=self.task.max_answer_tokens + 2)
+        self.max_len = 2 + self.task.max_digits + self.max_new_tokens  # BOS, digits, '=', completion
         self.vocab, self.pad_id, self.eos_id = self.tok.vocab_size, self.tok.PAD, self.tok.EOS
 
     def take(self, n: int, rng: random.Random, rank: int, world: int) -> Batch:
@@ -114,9 +117,9 @@ class DataPrompts:
         first = self.data.examples[0]  # a reward that raises is caught here, before anything is written
         score(self.reward, self.spec, [first.prompt], [""], [first.answer], [first.row])
         self.held_out = None if cfg.eval_data is None else self._read(cfg, cfg.eval_data, "eval")
-        self.max_new = cfg.max_new_tokens or 256
+        self.max_new_tokens = generation_length(cfg.max_new_tokens)
         longest = max(self.data.longest, self.held_out.longest if self.held_out is not None else 0)
-        self.max_len = longest + self.max_new
+        self.max_len = longest + self.max_new_tokens
         tok = self.tokenizer
         self.vocab, self.pad_id, self.eos_id = tok.vocab_size, tok.pad_id, tok.eos_id
         say(
@@ -161,7 +164,7 @@ class DataPrompts:
         if self.held_out is None:
             return None
         mine = self.held_out.examples[rank::world]
-        comps = engine.generate([e.ids for e in mine], max_new_tokens=self.max_new, temperature=0.0)
+        comps = engine.generate([e.ids for e in mine], max_new_tokens=self.max_new_tokens, temperature=0.0)
         got = self._score(mine, comps)
         total = torch.tensor([sum(got), len(got)], dtype=torch.float64)
         if world > 1 and group is not None:

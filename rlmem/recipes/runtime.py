@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._dtypes import torch_dtype
-from .config import GRPOConfig
+from .config import GRPOConfig, OffloadKeys
 
 __all__ = ["Runtime", "local_rank", "rollout_dtype", "setup"]
 
@@ -29,7 +29,8 @@ class Runtime:
     engine samples from weights in it; under autocast the matrix products see them in it anyway), no copy
     otherwise. ``ctl`` is a Gloo group for the rollout's own reductions while the NCCL groups are suspended,
     and for the ranks' agreement on each exchange with their servers (None on one rank, or unless
-    ``comms='suspend'`` or ``engine='server'``)."""
+    ``comms='suspend'`` or ``engine='server'``). ``offload`` is whether rlmem switches memory between the
+    phases (:meth:`~rlmem.recipes.config.OffloadKeys.enabled`, resolved here once)."""
 
     device: torch.device
     rank: int
@@ -40,6 +41,7 @@ class Runtime:
     scaler: torch.amp.GradScaler | None
     rollout_dtype: torch.dtype | None = None  # the rollout copy's (``rollout_dtype``), None: no copy
     ctl: Any = None
+    offload: bool = False
 
     @property
     def lead(self) -> bool:
@@ -86,9 +88,10 @@ def setup(cfg: GRPOConfig) -> Runtime:
         amp_dtype=amp_dtype,
         scaler=torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None,
         rollout_dtype=rollout_dtype(cfg.rollout_dtype, amp_dtype, on_cuda),
+        offload=OffloadKeys.of(cfg).enabled(on_cuda),
     )
     if cfg.comms == "suspend":
-        _check_suspend(rt, offload(cfg, rt))
+        _check_suspend(rt)
     if world > 1 and (cfg.comms == "suspend" or cfg.engine == "server"):
         # Gloo, on the host: it works while NCCL's communicators are suspended, and with a server per rank
         # the ranks agree on every exchange with their servers through it (a rank whose server died must
@@ -105,11 +108,6 @@ def rollout_dtype(value: str | None, amp_dtype: torch.dtype | None, on_cuda: boo
     if value == "auto":
         return amp_dtype if on_cuda else None
     return None if value in (None, "none") else torch_dtype(value)
-
-
-def offload(cfg: GRPOConfig, rt: Runtime) -> bool:
-    """Whether rlmem switches memory between phases: ``cfg.offload``, or on for CUDA when unset."""
-    return cfg.offload if cfg.offload is not None else rt.on_cuda
 
 
 def _setup_device(cfg: GRPOConfig) -> tuple[torch.device, int, int]:
@@ -139,12 +137,12 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def _check_suspend(rt: Runtime, offloading: bool) -> None:
-    if not (offloading and rt.on_cuda and rt.world > 1):
+def _check_suspend(rt: Runtime) -> None:
+    if not (rt.offload and rt.on_cuda and rt.world > 1):
         raise ValueError(
             "comms='suspend' releases NCCL communicators during rollout: it needs several ranks "
             f"(torchrun) on CUDA with offload on; this run has {rt.world} rank(s) on {rt.device.type}, "
-            f"offload {'on' if offloading else 'off'}"
+            f"offload {'on' if rt.offload else 'off'}"
         )
     from ..comm import nccl_driver
 

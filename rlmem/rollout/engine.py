@@ -6,17 +6,88 @@ An engine's ``wake`` takes ``tags`` (a subset of :data:`TAGS`: ``"weights"``, th
 synced again on waking), as vLLM's ``sleep(level)`` / ``wake_up(tags)`` and SGLang's
 ``release_memory_occupation(tags)`` / ``resume_memory_occupation(tags)`` do. An engine with bare
 ``sleep()`` / ``wake()`` is woken whole, once.
+
+What every engine's ``generate`` takes is settled here too, once for the recipe, the sampler, the server and
+the server clients: :class:`Sampling` (``max_new_tokens``, ``temperature``, ``top_p``, validated by
+:func:`~rlmem._checks.check_sampling`), and :func:`generation_length`, the one default of the generation
+length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .._checks import TAGS, check_tags
+from .._checks import TAGS, check_int, check_sampling, check_tags
 
-__all__ = ["TAGS", "Engine", "check_tags", "sleep", "takes"]
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "TAGS",
+    "Engine",
+    "Sampling",
+    "check_tags",
+    "generation_length",
+    "sleep",
+    "takes",
+]
+
+DEFAULT_MAX_NEW_TOKENS = 256
+"""The generation length where none is given, at most: the recipe's, ``RemoteEngine``'s and the server's."""
+
+
+def generation_length(max_new_tokens: int | None, *, room: int | None = None) -> int:
+    """The tokens a generation may add: ``max_new_tokens`` as given (an int >= 1), or where it is None,
+    :data:`DEFAULT_MAX_NEW_TOKENS`, at most ``room`` (what the caller knows fits: the server's cache length
+    less the longest prompt, the task's longest answer).
+
+    Raises:
+        ValueError: ``max_new_tokens`` not None nor an int >= 1; ``room`` < 1 where it decides.
+    """
+    if max_new_tokens is not None:
+        return check_int("max_new_tokens", max_new_tokens)
+    if room is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    return min(DEFAULT_MAX_NEW_TOKENS, check_int("room", room))
+
+
+@dataclass(kw_only=True)
+class Sampling:
+    """How a rollout samples: the keys ``max_new_tokens``, ``temperature`` and ``top_p`` of ``rlmem train``,
+    defined, defaulted and validated here once, and handed whole to the engine's ``generate``.
+
+    Args:
+        max_new_tokens: completion limit; None: :func:`generation_length`'s default (at most 256; the
+            embedded task: its answer's length plus two).
+        temperature: a finite number >= 0; 0 samples greedily (in GRPO every completion of a group is then
+            the same and every advantage 0).
+        top_p: the nucleus, in (0, 1].
+
+    Raises:
+        ValueError: naming the key.
+    """
+
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is not None:
+            generation_length(self.max_new_tokens)
+        check_sampling(self.temperature, self.top_p)
+
+    @classmethod
+    def of(cls, config: Any) -> Sampling:
+        """This section of ``config`` (any object with these keys as attributes, e.g. ``GRPOConfig``)."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+    def generate_kwargs(self, *, room: int | None = None) -> dict[str, Any]:
+        """The keyword arguments of an engine's ``generate``: the generation length resolved (``room``: see
+        :func:`generation_length`), the temperature and the nucleus."""
+        length = generation_length(self.max_new_tokens, room=room)
+        return {"max_new_tokens": length, "temperature": self.temperature, "top_p": self.top_p}
 
 
 @runtime_checkable

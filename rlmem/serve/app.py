@@ -6,7 +6,7 @@ speaks.
   the process holds (its ledger entry with a broker);
 - ``POST /generate`` ``{"prompts": [str]} | {"input_ids": [[int]]}, "max_new_tokens", "temperature",
   "top_p", "seed"`` → ``{"output_ids", "completions" (with a tokenizer), "tokens", "seconds"}``; without
-  ``max_new_tokens``, the room the longest prompt leaves within the server's ``max_len``, at most 64 (a
+  ``max_new_tokens``, the room the longest prompt leaves within the server's ``max_len``, at most 256 (a
   prompt that leaves none is a 400);
 - ``POST /sleep {"level": 1 | 2}``, ``POST /wake {"tags": ["weights", "kv_cache"] | null}``;
 - ``POST /update_weights_from_tensor {"tensors": [...]}``: handles of another process's tensors
@@ -49,7 +49,9 @@ class _Strict(BaseModel):
 class GenerateRequest(_Strict):
     prompts: list[str] | None = None
     input_ids: list[list[int]] | None = None
-    max_new_tokens: int | None = Field(None, ge=1)  # None: what fits max_len, at most 64 (core.py)
+    # None: what fits max_len, at most 256 (rollout.engine.generation_length); the sampling fields state the
+    # rule of _checks.check_sampling, so a bad value is a 422 here
+    max_new_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes

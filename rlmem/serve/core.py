@@ -23,14 +23,11 @@ from torch import nn
 
 from ..colocate import AttachedWeights, Member
 from ..colocate.ipc import open_tensors
+from ..rollout.engine import DEFAULT_MAX_NEW_TOKENS, generation_length
 from ..rollout.remote.peer import EngineSeat
 from ..rollout.sampler import HFSampler
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "NotReadyError", "ServedModel"]
-
-DEFAULT_MAX_NEW_TOKENS = 64
-"""A request's ``max_new_tokens`` when it gives none, at most: what the room its longest prompt leaves
-within ``max_len`` allows, so that a server with a short ``max_len`` still answers such requests."""
 
 
 class NotReadyError(RuntimeError):
@@ -152,9 +149,10 @@ class ServedModel:
         """Completions of token-id prompts (``input_ids``) or text ones (``prompts``, which need a
         tokenizer): ``output_ids`` always, ``completions`` (text) with a tokenizer.
 
-        ``max_new_tokens=None`` takes the room the longest prompt leaves within the sampler's ``max_len``,
-        at most :data:`DEFAULT_MAX_NEW_TOKENS`: a fixed default would refuse every such request on a server
-        whose ``max_len`` is that default or less.
+        ``max_new_tokens=None``: the one default (:func:`rlmem.rollout.engine.generation_length`, at most
+        :data:`DEFAULT_MAX_NEW_TOKENS`), bounded by the room the longest prompt leaves within the sampler's
+        ``max_len``: a fixed default would refuse every such request on a server whose ``max_len`` is that
+        default or less.
 
         Raises:
             ValueError: bad arguments; a prompt that leaves no room for a completion within ``max_len``.
@@ -190,7 +188,7 @@ class ServedModel:
                         f"a prompt of {longest} tokens leaves no room for a completion within "
                         f"max_len={s.max_len}: shorten it (or serve with a larger --max-len)"
                     )
-                max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, s.max_len - longest)
+                max_new_tokens = generation_length(None, room=s.max_len - longest)
             t0 = time.perf_counter()
             out = s.generate(
                 input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed

@@ -31,11 +31,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..._checks import check_tags
+from ..._checks import check_sampling, check_tags
 from ...colocate.device import mem_info
 from ...colocate.member import FenceError, Member, RemoteError, fence_bytes
 from ...colocate.weights import SharedWeights
 from ...errors import OutOfMemoryError
+from ..engine import generation_length
 from .peer import PeerEngine
 
 __all__ = ["FLAVORS", "RemoteEngine", "engine_class"]
@@ -190,17 +191,21 @@ class RemoteEngine:
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         *,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         **sampling: Any,
     ) -> list[str] | list[list[int]]:
         """Completions of ``prompts``, in order (greedy by default): text for text prompts; token ids for
         token-id prompts, as :meth:`HFSampler.generate` returns them. vLLM and SGLang: with ``n`` > 1 a list
         of ``n`` per prompt. ``sampling`` goes to the server as its keys (SGLang: checked against the keys
-        its ``SamplingParams`` takes, ``seed`` sent as ``sampling_seed``).
+        its ``SamplingParams`` takes, ``seed`` sent as ``sampling_seed``). ``max_new_tokens=None``: the one
+        default (:func:`rlmem.rollout.engine.generation_length`), which rlmem's server bounds by the room
+        its cache leaves. ``temperature`` and ``top_p`` follow the one rule
+        (:func:`rlmem._checks.check_sampling`).
 
         Raises:
-            ValueError: prompts neither all text nor all token ids; a sampling key SGLang does not take.
+            ValueError: prompts neither all text nor all token ids; a sampling key SGLang does not take; a
+                bad ``max_new_tokens``, ``temperature`` or ``top_p`` (nothing is sent).
             RemoteError: the server refused, is asleep (vLLM) or released by this engine (SGLang), or cut
             a completion short (``finish_reason`` abort).
         """
@@ -209,6 +214,9 @@ class RemoteEngine:
         ids = bool(prompts) and all(isinstance(p, (list, tuple)) for p in prompts)
         if not ids and not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompts must be a list of str, or of token-id lists")
+        if max_new_tokens is not None:
+            generation_length(max_new_tokens)
+        check_sampling(temperature, sampling.get("top_p", 1.0))
         with self._idle:
             # under the lock a sleep holds from its wait to its release (SGLang's): no batch of this engine
             # reaches a server releasing its memory
@@ -231,8 +239,14 @@ class RemoteEngine:
         raise NotImplementedError
 
     def _generate(
-        self, prompts: Sequence[Any], ids: bool, max_new_tokens: int, temperature: float, sampling: dict
+        self,
+        prompts: Sequence[Any],
+        ids: bool,
+        max_new_tokens: int | None,
+        temperature: float,
+        sampling: dict,
     ) -> Any:
+        """One generate request in the server's form (``max_new_tokens`` None: its own default)."""
         raise NotImplementedError
 
     def _check_generate(self) -> None:

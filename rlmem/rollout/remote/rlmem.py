@@ -37,14 +37,21 @@ class RlmemRemote(RemoteEngine):
         return True
 
     def _generate(
-        self, prompts: Sequence[Any], ids: bool, max_new_tokens: int, temperature: float, sampling: dict
+        self,
+        prompts: Sequence[Any],
+        ids: bool,
+        max_new_tokens: int | None,
+        temperature: float,
+        sampling: dict,
     ) -> Any:
+        # no max_new_tokens: the server applies the same default, bounded by the room its cache leaves
+        params = {"temperature": temperature, **sampling}
+        if max_new_tokens is not None:
+            params["max_new_tokens"] = max_new_tokens
         if ids:
-            body = {"input_ids": [[int(t) for t in p] for p in prompts], "max_new_tokens": max_new_tokens}
-            body.update(temperature=temperature, **sampling)
+            body = {"input_ids": [[int(t) for t in p] for p in prompts], **params}
             out = self._call("POST", "/generate", json=body, timeout=self.timeout)
             return [list(o) for o in out["output_ids"]]
-        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, **sampling}
         out = self._call("POST", "/generate", json={"prompts": list(prompts), **params}, timeout=self.timeout)
         return list(out["completions"])
 

@@ -89,6 +89,7 @@ from ..._checks import check_flag
 from ...colocate.member import RemoteError
 from ...colocate.weight_check import Checkpoint, check_update, read_checkpoint
 from ...colocate.weights import SharedWeights
+from ..engine import generation_length
 from .base import RemoteEngine
 
 __all__ = ["SAMPLING_KEYS", "SGLangRemote"]
@@ -416,9 +417,14 @@ class SGLangRemote(RemoteEngine):
             )
 
     def _generate(
-        self, prompts: Sequence[Any], ids: bool, max_new_tokens: int, temperature: float, sampling: dict
+        self,
+        prompts: Sequence[Any],
+        ids: bool,
+        max_new_tokens: int | None,
+        temperature: float,
+        sampling: dict,
     ) -> Any:
-        params = sampling_params(max_new_tokens, temperature, sampling)
+        params = sampling_params(generation_length(max_new_tokens), temperature, sampling)
         body: dict[str, Any] = {"sampling_params": params}
         if ids:
             body["input_ids"] = [[int(t) for t in p] for p in prompts]

@@ -31,6 +31,7 @@ import torch
 from ..._checks import check_choice
 from ...colocate.member import RemoteError
 from ...colocate.weights import SharedWeights
+from ..engine import generation_length
 from .base import RemoteEngine
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "PAUSE_MODES", "IpcStaging", "VLLMRemote"]
@@ -68,12 +69,17 @@ class VLLMRemote(RemoteEngine):
         return True
 
     def _generate(
-        self, prompts: Sequence[Any], ids: bool, max_new_tokens: int, temperature: float, sampling: dict
+        self,
+        prompts: Sequence[Any],
+        ids: bool,
+        max_new_tokens: int | None,
+        temperature: float,
+        sampling: dict,
     ) -> Any:
         """``/v1/completions``: token-id prompts give token ids back; ``n`` samples grouped per prompt."""
         if self.is_sleeping():  # vLLM would queue the request until a wake, past any time-out of ours
             raise RemoteError(f"vllm server at {self.url} is asleep: wake it before generating")
-        body = {"max_tokens": max_new_tokens, "temperature": temperature, **sampling}
+        body = {"max_tokens": generation_length(max_new_tokens), "temperature": temperature, **sampling}
         body["prompt"] = [[int(t) for t in p] for p in prompts] if ids else list(prompts)
         body.update(model=self.model or self._first_model(), **({"return_token_ids": True} if ids else {}))
         out = self._call("POST", "/v1/completions", json=body, timeout=self.timeout)

@@ -12,7 +12,9 @@ from typing import Any
 from ..._checks import check_choice, check_flag, check_int
 from ..._dtypes import DTYPE_NAMES, torch_dtype
 
-__all__ = ["SamplerConfig", "kv_batch"]
+__all__ = ["CUDA_GRAPHS", "SamplerConfig", "kv_batch"]
+
+CUDA_GRAPHS = ("auto", "on", "off")  # cuda_graphs' values, here and in ``rlmem train`` and ``rlmem serve``
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +65,7 @@ class SamplerConfig:
         check_int("SamplerConfig.sync_every", self.sync_every)
         if self.compute_dtype is not None:
             check_choice("compute_dtype", self.compute_dtype, tuple(DTYPE_NAMES))
-        check_choice("cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
+        check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         check_choice("fused", self.fused, ("auto", "on", "off"))
         check_choice("gqa", self.gqa, ("auto", "off"))
         check_flag("refill", self.refill)
