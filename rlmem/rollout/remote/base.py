@@ -36,7 +36,6 @@ from ...colocate.device import mem_info
 from ...colocate.member import FenceError, Member, RemoteError, fence_bytes
 from ...colocate.weights import SharedWeights
 from ...errors import OutOfMemoryError
-from ..engine import generation_length
 from .peer import PeerEngine
 
 __all__ = ["FLAVORS", "RemoteEngine", "engine_class"]
@@ -214,8 +213,6 @@ class RemoteEngine:
         ids = bool(prompts) and all(isinstance(p, (list, tuple)) for p in prompts)
         if not ids and not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompts must be a list of str, or of token-id lists")
-        if max_new_tokens is not None:
-            generation_length(max_new_tokens)
         check_sampling(temperature, sampling.get("top_p", 1.0))
         with self._idle:
             # under the lock a sleep holds from its wait to its release (SGLang's): no batch of this engine
@@ -246,7 +243,8 @@ class RemoteEngine:
         temperature: float,
         sampling: dict,
     ) -> Any:
-        """One generate request in the server's form (``max_new_tokens`` None: its own default)."""
+        """One generate request in the server's form, its length checked (or resolved) by
+        :func:`~rlmem.rollout.engine.generation_length` before anything is sent."""
         raise NotImplementedError
 
     def _check_generate(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from ..engine import generation_length
 from .base import RemoteEngine
 
 __all__ = ["RlmemRemote"]
@@ -47,7 +48,7 @@ class RlmemRemote(RemoteEngine):
         # no max_new_tokens: the server applies the same default, bounded by the room its cache leaves
         params = {"temperature": temperature, **sampling}
         if max_new_tokens is not None:
-            params["max_new_tokens"] = max_new_tokens
+            params["max_new_tokens"] = generation_length(max_new_tokens)
         if ids:
             body = {"input_ids": [[int(t) for t in p] for p in prompts], **params}
             out = self._call("POST", "/generate", json=body, timeout=self.timeout)
