@@ -175,14 +175,14 @@ def test_serve_generate_sleep_wake_update_and_bad_requests(device, tmp_path, pro
 
 def test_serve_default_max_new_tokens_fits_max_len(device, monkeypatch):
     """Without ``max_new_tokens`` a request gets the room its longest prompt leaves within ``max_len``, at
-    most the one default (256, ``rollout.engine.generation_length``), and a 400 naming the prompt's length and ``max_len`` when there is none (the app in this
-    process: what the sampler is asked for is the point, and an EOS would hide it in the answer)."""
+    most the one default (256, ``rollout.engine.generation_length``), and a 400 naming the prompt's length
+    and ``max_len`` when there is none (the app in this process: what the sampler is asked for is the
+    point, and an EOS would hide it in the answer)."""
     from fastapi.testclient import TestClient
 
+    from rlmem.rollout.engine import DEFAULT_MAX_NEW_TOKENS
     from rlmem.serve.app import make_app
     from rlmem.serve.core import ServedModel
-
-    from rlmem.rollout.engine import DEFAULT_MAX_NEW_TOKENS
 
     max_len = DEFAULT_MAX_NEW_TOKENS + 40
     model = load_model("tiny", torch.device(device), _dtype(device), max_len=max_len)
@@ -293,3 +293,33 @@ def test_serve_on_a_second_gpu_opens_no_context_on_the_first(tmp_path, procs):
         timeout=120,
     )
     assert r.returncode == 2 and f"--device cuda:{n}" in r.stderr and f"sees {n} CUDA device" in r.stderr
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_serve_n_completions_per_prompt_come_grouped_and_equal_repeats(share):
+    """``n`` per prompt, prompt-major, each prompt's in a row: what the same prompts repeated give (greedy),
+    with the prompt held once in the cache (``--share-prompts``) or per row."""
+    from fastapi.testclient import TestClient
+
+    from rlmem.serve.app import make_app
+    from rlmem.serve.core import ServedModel
+
+    model = load_model("tiny", torch.device("cpu"), torch.float32, max_len=48)
+    kw = dict(
+        max_len=48, batch_size=8, pad_token_id=0, eos_token_id=2, cuda_graphs="off", share_prompts=share
+    )
+    core = ServedModel(model.eval(), sampler=kw, name="tiny")
+    try:
+        http = TestClient(make_app(core))
+        ids = [[1, 5, 6, 7], [1, 9, 4]]
+        r = http.post("/generate", json={"input_ids": ids, "n": 3, "max_new_tokens": 6})
+        assert r.status_code == 200, r.text
+        got = r.json()["output_ids"]
+        rep = http.post(
+            "/generate", json={"input_ids": [x for x in ids for _ in range(3)], "max_new_tokens": 6}
+        )
+        assert got == rep.json()["output_ids"] and len(got) == 6
+        assert got[0] == got[1] == got[2] and got[3] == got[4] == got[5]  # greedy: a group alike
+        assert http.post("/generate", json={"input_ids": ids, "n": 0}).status_code == 422
+    finally:
+        core.close()

@@ -356,12 +356,14 @@ class SamplerRollout:
         seed: int,
         ref_model: nn.Module | None = None,
         max_prompt_len: int | None = None,
+        share_prompts: bool = True,
     ) -> None:
         self.callback = RLMemCallback(ref_model)
         self.callback.around_generation = True
         self.callback.offload = offload
         self.rollout_dtype, self.batch_size, self.seed = rollout_dtype, batch_size, seed
         self.max_prompt_len = max_prompt_len
+        self.share_prompts = share_prompts
         self.sampler: Any = None
         self._pm: PhaseManager | None = None  # the one whose engine the sampler is
         self.calls = 0
@@ -427,7 +429,7 @@ class SamplerRollout:
         self._pm = pm
 
     def _make(self, trainer: Any, model: nn.Module, longest: int, n: int) -> None:
-        from ..rollout.sampler import HFSampler
+        from ..rollout.sampler import HFSampler, kv_batch_shared
 
         tok = trainer.processing_class
         limit = self.max_prompt_len or getattr(trainer.args, "max_prompt_length", None)
@@ -444,13 +446,23 @@ class SamplerRollout:
                 ),
                 default=longest,
             )
+        max_len = max(limit, longest) + trainer.max_completion_length
+        group = int(getattr(trainer, "num_generations", 1) or 1)
+        rows = self.batch_size or n
+        if self.share_prompts and group >= 2 and self.batch_size is None:
+            # a call's rows come as TRL's groups, each prompt num_generations times in a row: the cache
+            # holds each prompt once, so all of a call's rows take fewer rows of max_len
+            rows = kv_batch_shared(
+                n, max_len=max_len, max_new_tokens=trainer.max_completion_length, group_size=group
+            )
         self.sampler = HFSampler(
             model,
-            max_len=max(limit, longest) + trainer.max_completion_length,
-            batch_size=self.batch_size or n,
+            max_len=max_len,
+            batch_size=rows,
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
             eos_token_id=tok.eos_token_id,
             rollout_dtype=self.rollout_dtype,
+            share_prompts=self.share_prompts,
         )
 
 
@@ -462,6 +474,7 @@ def sampler_rollout(
     seed: int = 0,
     ref_model: nn.Module | None = None,
     max_prompt_len: int | None = None,
+    share_prompts: bool = True,
 ) -> SamplerRollout:
     """TRL's ``rollout_func`` on rlmem's sampler, and the callback it needs.
 
@@ -475,6 +488,10 @@ def sampler_rollout(
         max_prompt_len: the longest prompt in tokens (the KV cache's length is it plus TRL's
             ``max_completion_length``); default: ``max_prompt_length`` of TRL's config where it has one,
             else the longest prompt of the training set.
+        share_prompts: a group's prompt (TRL repeats each ``num_generations`` times in a row) is prefilled
+            once and held once in the KV cache (:class:`~rlmem.rollout.HFSampler` ``share_prompts``); the
+            cache (with ``batch_size`` None) is sized for that. Equal completions within the rounding of the
+            attention's sums taken in two parts; False: every row holds its own copy.
 
     Returns:
         A callable with ``.callback``. TRL's ``logprobs`` are not returned (None: TRL's own generation gives
@@ -485,6 +502,7 @@ def sampler_rollout(
         >>> trainer = GRPOTrainer(model, ..., rollout_func=r, callbacks=[r.callback])
     """
     check_flag("offload", offload)
+    check_flag("share_prompts", share_prompts)
     if rollout_dtype is not None and not (
         isinstance(rollout_dtype, torch.dtype) and rollout_dtype.is_floating_point
     ):
@@ -501,4 +519,5 @@ def sampler_rollout(
         seed=seed,
         ref_model=ref_model,
         max_prompt_len=max_prompt_len,
+        share_prompts=share_prompts,
     )

@@ -22,7 +22,7 @@ from ..models.load import load_model
 from ..rollout.engine import takes
 from ..rollout.remote.server_rollout import SERVER_CATEGORIES, ServerRollout
 from ..rollout.sampler import HFSampler, kv_bytes_per_token
-from ..rollout.sampler.config import SamplerConfig, kv_batch
+from ..rollout.sampler.config import SamplerConfig, kv_batch, kv_batch_shared, kv_rows
 from ..train.phases import OffloadConfig, PhaseManager
 from ..train.state import TrainState
 from .config import GRPOConfig, OffloadKeys, is_fraction
@@ -155,7 +155,7 @@ class Policy:
             rollout_dtype = rt.rollout_dtype
             kv_dtype = rt.amp_dtype or rollout_dtype or rt.param_dtype
             n_seqs = cfg.prompts_per_step // rt.world * cfg.group_size
-            batch = _kv_batch(cfg, self.model, n_seqs, self.prompts.max_len, kv_dtype)
+            batch = _kv_batch(cfg, self.model, n_seqs, self.prompts, kv_dtype)
             # One config for the sampler here and for the server's: every setting reaches both.
             sampler = SamplerConfig(
                 max_len=self.prompts.max_len,
@@ -164,6 +164,7 @@ class Policy:
                 eos_token_id=self.prompts.eos_id,
                 compute_dtype=None if rt.amp_dtype is None else dtype_name(rt.amp_dtype),
                 cuda_graphs=cfg.cuda_graphs,
+                share_prompts=cfg.share_prompts,
             )
             if cfg.engine == "server":
                 # Under torchrun a server per rank, on its GPU: its log, and a running one's URL, by rank.
@@ -290,19 +291,34 @@ def materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
             opt.state[p]["step"] = 0
 
 
-def _kv_batch(cfg: GRPOConfig, model: nn.Module, n_seqs: int, max_len: int, dtype: torch.dtype) -> int:
-    """Sequences the KV cache holds: what ``kv_budget`` affords, never more than the rollout needs."""
-    per_seq = kv_bytes_per_token(model.config, dtype) * max_len
-    if cfg.kv_budget is None:
-        return n_seqs
-    v = cfg.kv_budget
-    if isinstance(v, float) or (isinstance(v, str) and is_fraction(v)):
-        dev = next(model.parameters()).device
-        total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_total()
-        budget = int(float(v) * total)
-    else:
-        budget = parse_bytes(v, "kv_budget")
-    return kv_batch(per_seq, budget, n_seqs, max_len=max_len, field="kv_budget")
+def _kv_batch(
+    cfg: GRPOConfig, model: nn.Module, n_seqs: int, prompts: PromptSource, dtype: torch.dtype
+) -> int:
+    """The KV cache's size in rows of ``max_len`` tokens: what ``kv_budget`` affords, never more than the
+    rollout needs. With ``share_prompts`` a group's rows hold its prompt once, so the rollout's ``n_seqs``
+    completions need fewer such rows (:func:`~rlmem.rollout.sampler.config.kv_batch_shared`)."""
+    max_len, new = prompts.max_len, prompts.max_new_tokens
+    per_token = kv_bytes_per_token(model.config, dtype)
+    shared = cfg.share_prompts and cfg.group_size >= 2 and new < max_len
+    budget = None
+    if cfg.kv_budget is not None:
+        v = cfg.kv_budget
+        if isinstance(v, float) or (isinstance(v, str) and is_fraction(v)):
+            dev = next(model.parameters()).device
+            on_gpu = dev.type == "cuda"
+            total = torch.cuda.get_device_properties(dev).total_memory if on_gpu else _host_total()
+            budget = int(float(v) * total)
+        else:
+            budget = parse_bytes(v, "kv_budget")
+    if not shared:
+        if budget is None:
+            return n_seqs
+        return kv_batch(per_token * max_len, budget, n_seqs, max_len=max_len, field="kv_budget")
+    rows = n_seqs
+    if budget is not None:
+        fit = kv_rows(per_token, budget, max_len=max_len, max_new_tokens=new, group_size=cfg.group_size)
+        rows = min(rows, fit)
+    return kv_batch_shared(rows, max_len=max_len, max_new_tokens=new, group_size=cfg.group_size)
 
 
 def _host_total() -> int:

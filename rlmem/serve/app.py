@@ -5,7 +5,8 @@ speaks.
   ``GET /is_sleeping`` → ``{"is_sleeping"}`` (vLLM's shape); ``GET /memory`` → the cache's shape and what
   the process holds (its ledger entry with a broker);
 - ``POST /generate`` ``{"prompts": [str]} | {"input_ids": [[int]]}, "max_new_tokens", "temperature",
-  "top_p", "seed"`` → ``{"output_ids", "completions" (with a tokenizer), "tokens", "seconds"}``; without
+  "top_p", "seed", "n"`` → ``{"output_ids", "completions" (with a tokenizer), "tokens", "seconds"}``
+  (``n`` completions per prompt, prompt-major, each prompt's in a row); without
   ``max_new_tokens``, the room the longest prompt leaves within the server's ``max_len``, at most 256 (a
   prompt that leaves none is a 400);
 - ``POST /sleep {"level": 1 | 2}``, ``POST /wake {"tags": ["weights", "kv_cache"] | null}``;
@@ -55,6 +56,9 @@ class GenerateRequest(_Strict):
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
+    # completions per prompt, as vLLM's and SGLang's n: prompt-major, each prompt's n in a row (a group,
+    # whose prompt a sampler with share_prompts holds once)
+    n: int = Field(1, ge=1, le=4096)
 
 
 class SleepRequest(_Strict):
@@ -151,7 +155,7 @@ def make_app(core: ServedModel, *, token: str | None = None) -> Any:
     @app.post("/generate", dependencies=auth)
     def generate(req: GenerateRequest) -> dict[str, Any]:
         """Completions; without ``max_new_tokens`` as many tokens as the longest prompt leaves room for
-        within ``max_len``, at most 64 (:meth:`ServedModel.generate`), a 400 naming the prompt's length and
+        within ``max_len``, at most 256 (:meth:`ServedModel.generate`), a 400 naming the prompt's length and
         ``max_len`` when it leaves none."""
         return core.generate(**req.model_dump())
 

@@ -145,9 +145,12 @@ class ServedModel:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        n: int = 1,
     ) -> dict[str, Any]:
         """Completions of token-id prompts (``input_ids``) or text ones (``prompts``, which need a
-        tokenizer): ``output_ids`` always, ``completions`` (text) with a tokenizer.
+        tokenizer): ``output_ids`` always, ``completions`` (text) with a tokenizer; ``n`` per prompt,
+        prompt-major (each prompt ``n`` times in a row: a group, whose prompt the sampler holds once with
+        ``share_prompts``).
 
         ``max_new_tokens=None``: the one default (:func:`rlmem.rollout.engine.generation_length`, at most
         :data:`DEFAULT_MAX_NEW_TOKENS`), bounded by the room the longest prompt leaves within the sampler's
@@ -167,6 +170,9 @@ class ServedModel:
         assert input_ids is not None
         if not input_ids:
             raise ValueError("no prompts given")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        input_ids = [ids for ids in input_ids for _ in range(n)]
         with self._using():
             s = self._need_sampler("generate")
             if self.level:

@@ -40,6 +40,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="sequences the KV cache holds (default 16)")
     p.add_argument("--kv-budget", default=None, help="bytes the KV cache may take instead (e.g. 20GiB)")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
+    p.add_argument(
+        "--share-prompts",
+        action="store_true",
+        help="hold a prompt once in the KV cache for the completions of it in one request (n, or repeats)",
+    )
     p.add_argument("--pad-id", type=int, default=None, help="without a tokenizer: the pad token id")
     p.add_argument("--eos-id", type=int, default=None, help="without a tokenizer: the EOS token id")
     p.add_argument(
@@ -162,6 +167,7 @@ def _from_flags(args: argparse.Namespace, model: Any, tok: Any) -> Any:
         eos_token_id=eos,
         compute_dtype=args.compute_dtype,
         cuda_graphs=args.cuda_graphs,
+        share_prompts=args.share_prompts,
     )
 
 

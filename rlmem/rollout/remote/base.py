@@ -195,8 +195,8 @@ class RemoteEngine:
         **sampling: Any,
     ) -> list[str] | list[list[int]]:
         """Completions of ``prompts``, in order (greedy by default): text for text prompts; token ids for
-        token-id prompts, as :meth:`HFSampler.generate` returns them. vLLM and SGLang: with ``n`` > 1 a list
-        of ``n`` per prompt. ``sampling`` goes to the server as its keys (SGLang: checked against the keys
+        token-id prompts, as :meth:`HFSampler.generate` returns them. With ``n`` > 1 a list of ``n`` per
+        prompt. ``sampling`` goes to the server as its keys (SGLang: checked against the keys
         its ``SamplingParams`` takes, ``seed`` sent as ``sampling_seed``). ``max_new_tokens=None``: the one
         default (:func:`rlmem.rollout.engine.generation_length`), which rlmem's server bounds by the room
         its cache leaves. ``temperature`` and ``top_p`` follow the one rule

@@ -52,9 +52,11 @@ class RlmemRemote(RemoteEngine):
         if ids:
             body = {"input_ids": [[int(t) for t in p] for p in prompts], **params}
             out = self._call("POST", "/generate", json=body, timeout=self.timeout)
-            return [list(o) for o in out["output_ids"]]
-        out = self._call("POST", "/generate", json={"prompts": list(prompts), **params}, timeout=self.timeout)
-        return list(out["completions"])
+            outs = [list(o) for o in out["output_ids"]]
+        else:
+            body = {"prompts": list(prompts), **params}
+            outs = list(self._call("POST", "/generate", json=body, timeout=self.timeout)["completions"])
+        return self._grouped(outs, 0, int(sampling.get("n", 1)), len(prompts))
 
     def update_weights_from_tensor(
         self, named: Any, *, partial: bool = False, check: bool = True

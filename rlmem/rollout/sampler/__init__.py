@@ -5,6 +5,8 @@ causal LMs.
 - ``_cache.py``: the KV cache, a Region; ``_graphs.py``: decoding under CUDA graphs over length buckets;
 - ``_generate.py``: generation one batch at a time or kept full (``_slots.py``), sampling (``_sampling.py``);
 - ``_weights.py``: the rollout copy and the FSDP twin;
+- ``_prefix.py``: a group's prompt held once (``share_prompts``): the prompt pool and each row's own columns
+  in the cache's Region, decode attention over both merged by log-sum-exp;
 - the kernels: the grouped decode (``_gqa.py``), fused QKV and MLP (``_qkv.py``, ``_fused.py``), mixtures of
   experts (``_experts.py``);
 - ``config.py``: its settings as one config (:class:`SamplerConfig`).
@@ -21,6 +23,9 @@ _WHERE = {
     "kv_bytes_per_token": ".hf",
     "SamplerConfig": ".config",
     "kv_batch": ".config",
+    "kv_batch_shared": ".config",
+    "kv_rows": ".config",
+    "shared_layout": ".config",
 }
 
 __all__ = sorted(_WHERE)

@@ -137,11 +137,18 @@ def into_region(
 class RowViews:
     """The cache's layers and the Region's whole keys and values behind them, taken as a generation starts
     (the layers hold the whole tensors then): :meth:`use` points the layers at the rows and columns a step
-    reads, and the whole tensors are where per-row writes go (``_slots``)."""
+    reads, and the whole tensors are where per-row writes go (``_slots``). ``whole``: other tensors of each
+    layer to narrow instead (a shared layout's prompts or completions, ``_prefix``)."""
 
-    def __init__(self, cache: Any, batch_size: int, max_len: int) -> None:
+    def __init__(
+        self,
+        cache: Any,
+        batch_size: int,
+        max_len: int,
+        whole: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         self.layers = cache.layers
-        self.whole = [(layer.keys, layer.values) for layer in self.layers]
+        self.whole = whole if whole is not None else [(layer.keys, layer.values) for layer in self.layers]
         self.batch_size = batch_size
         self.max_len = max_len
 

@@ -8,7 +8,9 @@ only, not the whole cache: at batch 64 the keys and values outweigh the weights,
 part of the cache would double a step's bytes. The cache's addresses never change, so the graphs survive
 its sleep and wake and the train phase between rollouts without re-capture; they are captured again only if
 the weights they read move (:meth:`DecodeGraphs.follow`). Every graph allocates from one private pool,
-counted from the allocator's segments. Without CUDA graphs the same buffers feed eager steps.
+counted from the allocator's segments. Without CUDA graphs the same buffers feed eager steps. A shared
+layout's steps (``_prefix``) have buffers of their own, by layout and groups, and graphs by the pair of
+prompt and own column buckets; the same pool, dropped and followed with the others.
 
 A step that cannot be captured raises :class:`CaptureError` (the sampler then decodes eagerly), and leaves
 the process as it was: one that waits for the device (a copy to the host, ``.item()``) is found in its
@@ -166,8 +168,12 @@ class Decode:
         self.base = row_bases(size, heads, max_len, device)
         self.index = self.base.clone()
         self.rows = torch.arange(size, device=device)
-        self.graphs: dict[int, Any] = {}
+        self.graphs: dict[Any, Any] = {}  # by cache-length bucket (a shared layout's: prompt and own columns)
         self.logits: torch.Tensor | None = None
+
+    def step_mask(self, length: Any) -> torch.Tensor:
+        """The mask a step over the length bucket ``length`` attends with."""
+        return self.mask[..., :length]
 
     def start(self, prompt_mask: torch.Tensor, last_pos: torch.Tensor, width: int) -> None:
         """Set up for a batch whose prompts fill ``width`` columns (rows past the batch attend to the first
@@ -209,6 +215,7 @@ class DecodeGraphs:
         self.device = device
         self.captures = 0  # so far: one per rows and length bucket, again only if the weights move
         self.decoders: dict[int, Decode] = {}  # by rows; with CUDA graphs, each holds its graphs
+        self.shared: dict[Any, Decode] = {}  # a shared layout's (``_prefix``), by layout and groups
         self.pool: Any = None
         self.pool_bytes = 0  # device memory the captured graphs' private pool holds
         self.stream: Any = None  # where the graphs are warmed up and captured
@@ -234,6 +241,13 @@ class DecodeGraphs:
             d = self.decoders[size] = Decode(size, self.max_len, heads, self.device)
         return d
 
+    def shared_decoder(self, key: Any, make: Callable[[], Decode]) -> Decode:
+        """The decode buffers of a shared layout's bucket ``key``, made by ``make`` on first use."""
+        d = self.shared.get(key)
+        if d is None:
+            d = self.shared[key] = make()
+        return d
+
     def follow(self, fingerprint: tuple[int, ...]) -> None:
         """Drop the graphs if the weights they read moved: ``fingerprint`` is where the weights and buffers
         are now (their data pointers)."""
@@ -244,7 +258,7 @@ class DecodeGraphs:
     def drop(self) -> None:
         """Forget the graphs (the decode buffers stay, with what a generation in progress put there); PyTorch
         frees the graphs' pool once none holds it."""
-        for d in self.decoders.values():
+        for d in (*self.decoders.values(), *self.shared.values()):
             d.graphs.clear()
         self.pool = None
         self.pool_bytes = 0
@@ -252,7 +266,7 @@ class DecodeGraphs:
     def release(self) -> int:
         """Forget the graphs and hand their pool back to the device; returns the bytes it held."""
         freed = self.pool_bytes
-        if self.decoders:
+        if self.decoders or self.shared:
             self.drop()
             if self.enabled:  # emptying the cache hands the freed pool back to the driver
                 torch.cuda.synchronize(self.device)
@@ -286,9 +300,10 @@ class DecodeGraphs:
             self.count_pool()
 
     @torch.no_grad()  # with autograd on, the logits buffer would keep every graph's activations alive
-    def capture(self, d: Decode, length: int, forward: Forward, *, count: bool = True) -> Any:
+    def capture(self, d: Decode, length: Any, forward: Forward, *, count: bool = True) -> Any:
         """The graph of one decode step of ``forward`` from ``d``'s buffers over the first ``length`` cache
-        columns (the cache's views must span them), kept in ``d.graphs``.
+        columns (the cache's views must span them; a shared layout's ``length`` is its prompt and own
+        columns), kept in ``d.graphs``.
 
         Raises:
             CaptureError: the step waits for the device (found in its warm-up: no capture begun), or its
@@ -297,7 +312,7 @@ class DecodeGraphs:
         """
         # Warm-up runs write this step's keys and values at the rows' columns (``_slots.decode_writes``, in
         # force wherever a step is captured): the replay rewrites the same ones.
-        mask = d.mask[..., :length]
+        mask = d.step_mask(length)
         # One side stream for every capture: the pool's freed blocks are reused only by allocations on the
         # stream that freed them, so graphs captured on streams of their own would not share memory.
         if self.stream is None:

@@ -12,7 +12,8 @@ step writes row ``r``'s keys and values at column ``cols[r]`` (a device tensor, 
 like any other), a prefill writes whole rows ``rows`` from column 0. A batch decoding in step (one batch at
 a time, its prompts left-padded to one width) writes the same way, every ``cols[r]`` the same column: the
 same graphs serve both, and a step writes with two kernels where the cache's own update launches five
-(counters and indices in every layer).
+(counters and indices in every layer). :class:`GroupSlots` keeps a shared layout full (``_prefix``): rows in
+blocks of one prompt each, a waiting group taking a block whose rows have all ended.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Slots", "WritePlan", "decode_writes", "row_bases", "slot_writes", "step_index"]
+__all__ = ["GroupSlots", "Slots", "WritePlan", "decode_writes", "row_bases", "slot_writes", "step_index"]
 
 
 class Slots:
@@ -101,6 +102,60 @@ class Slots:
     def outputs(self) -> list[list[int]]:
         assert all(r is not None for r in self.results), "not every sequence has ended"
         return [list(r) for r in self.results if r is not None]
+
+
+class GroupSlots(Slots):
+    """:class:`Slots` whose rows come in blocks of ``group``, one prompt per block (the shared layout of
+    ``_prefix``: a block's rows read its prompt's keys and values): a waiting group, ``count`` sequences of
+    one prompt from ``first`` on, takes a block whose rows are all idle, its rows from the block's first.
+
+    Args:
+        blocks: blocks of rows (prompts held at once).
+        group: rows per block.
+        prompts: every sequence's prompt.
+        groups: ``(first, count)`` per group, ``count <= group``, in the order they are admitted.
+        max_new, eos: as :class:`Slots`.
+        admit_at: free blocks it takes to admit waiting groups while others decode; None: ``blocks // 4``,
+            at least 1 (as :class:`Slots` waits for rows, each admission a prefill).
+    """
+
+    def __init__(
+        self,
+        blocks: int,
+        group: int,
+        prompts: Sequence[Sequence[int]],
+        groups: Sequence[tuple[int, int]],
+        max_new: int,
+        eos: int,
+        admit_at: int | None = None,
+    ) -> None:
+        super().__init__(blocks * group, prompts, max_new, eos)
+        if any(not 1 <= count <= group for _, count in groups):
+            raise ValueError(f"every group must have 1 to {group} sequences")
+        self.blocks, self.group = blocks, group
+        self.admit_at = max(1, blocks // 4) if admit_at is None else admit_at
+        self.groups: deque[tuple[int, int]] = deque(groups)
+        self.waiting = deque(s for first, count in groups for s in range(first, first + count))
+
+    def admit(self) -> list[tuple[int, int]]:
+        """Waiting groups into free blocks, lowest block first: ``(row, sequence)`` pairs, a group's rows
+        together (row ``r`` is in block ``r // group``); none while fewer than ``admit_at`` blocks (or than
+        groups wait) are free and others decode."""
+        g = self.group
+        free = [b for b in range(self.blocks) if all(s is None for s in self.seq[b * g : (b + 1) * g])]
+        if len(free) < self.blocks and len(free) < min(self.admit_at, len(self.groups)):
+            return []
+        out = []
+        for b in free:
+            if not self.groups:
+                break
+            first, count = self.groups.popleft()
+            for m in range(count):
+                r, s = b * g + m, self.waiting.popleft()
+                assert s == first + m
+                self.seq[r], self.length[r] = s, len(self.prompts[s])
+                out.append((r, s))
+        return out
 
 
 class WritePlan:

@@ -28,8 +28,8 @@ class SamplerConfig:
         pad_token_id, eos_token_id: the tokenizer's ids.
         compute_dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: autocast to it (the cache takes it too); None:
             the weights' dtype.
-        sync_every, cuda_graphs, fused, kv_block, gqa, refill: as :class:`~rlmem.rollout.HFSampler` takes
-            them (its defaults).
+        sync_every, cuda_graphs, fused, kv_block, gqa, refill, share_prompts: as
+            :class:`~rlmem.rollout.HFSampler` takes them (its defaults).
 
     Raises:
         ValueError: a field out of range, named.
@@ -52,6 +52,7 @@ class SamplerConfig:
     kv_block: int | None = None
     gqa: str = "auto"
     refill: bool = True
+    share_prompts: bool = False
 
     def __post_init__(self) -> None:
         check_int("SamplerConfig.max_len", self.max_len, minimum=2)
@@ -69,6 +70,7 @@ class SamplerConfig:
         check_choice("fused", self.fused, ("auto", "on", "off"))
         check_choice("gqa", self.gqa, ("auto", "off"))
         check_flag("refill", self.refill)
+        check_flag("share_prompts", self.share_prompts)
 
     def sampler_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~rlmem.rollout.HFSampler` (the dtype as torch's)."""
@@ -124,3 +126,78 @@ def kv_batch(
         )
     n = budget_bytes // per_seq_bytes
     return n if cap is None else min(cap, n)
+
+
+def shared_layout(capacity: int, *, max_len: int, max_new_tokens: int, group_size: int) -> tuple[int, int]:
+    """The groups a KV cache of ``capacity`` token columns (rows of ``max_len`` in the unshared layout, times
+    ``max_len``) holds when each group's rows keep their prompt once (``share_prompts``): a group takes
+    ``max_len - max_new_tokens`` columns for its prompt and ``max_new_tokens`` for each of its rows'
+    completions.
+
+    Returns:
+        ``(groups, rows per group)``: ``group_size`` rows per group, fewer where a group of ``group_size``
+        does not fit; ``(0, 0)`` where not even a group of two does (the unshared layout is used then).
+    """
+    prompt = max_len - max_new_tokens
+    if max_new_tokens < 1 or prompt < 1 or group_size < 2:
+        return 0, 0
+    per = min(group_size, (capacity - prompt) // max_new_tokens)
+    if per < 2:
+        return 0, 0
+    return capacity // (prompt + per * max_new_tokens), per
+
+
+def kv_rows(
+    per_token_bytes: int,
+    budget_bytes: int,
+    *,
+    max_len: int,
+    max_new_tokens: int,
+    group_size: int = 1,
+    field: str = "kv_budget_bytes",
+) -> int:
+    """Completions a KV cache of ``budget_bytes`` decodes at once, each of up to ``max_new_tokens`` after a
+    prompt, in groups of ``group_size`` completions of one prompt.
+
+    ``group_size`` 1, the unshared layout: ``kv_batch`` rows of ``max_len`` tokens each. ``group_size`` >= 2
+    with ``share_prompts``: the same Region (``kv_batch`` rows of ``max_len``) holds each group's prompt once,
+    ``prompts x (max_len - max_new_tokens) + rows x max_new_tokens`` token columns in all
+    (:func:`shared_layout`); where that holds fewer rows than the unshared layout, the unshared one is used.
+
+    Example:
+        >>> kv_rows(1, 10 * 2304, max_len=2304, max_new_tokens=256)
+        10
+        >>> kv_rows(1, 10 * 2304, max_len=2304, max_new_tokens=256, group_size=16)
+        48
+
+    Raises:
+        ValueError: the budget holds less than one sequence of ``max_len`` tokens.
+    """
+    batch = kv_batch(per_token_bytes * max_len, budget_bytes, max_len=max_len, field=field)
+    groups, per = shared_layout(
+        batch * max_len, max_len=max_len, max_new_tokens=max_new_tokens, group_size=group_size
+    )
+    return max(batch, groups * per)
+
+
+def kv_batch_shared(rows: int, *, max_len: int, max_new_tokens: int, group_size: int) -> int:
+    """The ``batch_size`` (rows of ``max_len`` tokens in the unshared layout) whose KV cache decodes ``rows``
+    completions at once in groups of ``group_size`` sharing their prompt (``share_prompts``): what the
+    sampler is sized with to hold those rows in ``ceil(rows / group_size) x (max_len - max_new_tokens) +
+    rows x max_new_tokens`` token columns rather than ``rows x max_len``.
+
+    Example:
+        >>> kv_batch_shared(64, max_len=2304, max_new_tokens=256, group_size=16)
+        11
+
+    Raises:
+        ValueError: a size is not positive, or ``max_new_tokens`` leaves no room for a prompt.
+    """
+    for name, v in (("rows", rows), ("max_new_tokens", max_new_tokens), ("group_size", group_size)):
+        check_int(name, v)
+    if max_new_tokens >= max_len:
+        raise ValueError(f"max_new_tokens must be below max_len={max_len}, got {max_new_tokens}")
+    groups = -(-rows // group_size)
+    per = min(group_size, rows)
+    cols = groups * (max_len - max_new_tokens + per * max_new_tokens)
+    return -(-cols // max_len)

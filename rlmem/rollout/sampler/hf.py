@@ -11,11 +11,12 @@ survive ``sleep()`` / ``wake()`` and the train phase between rollouts (``capture
 sampling runs after each step on the device, with no host sync per token.
 
 This module is the facade: the constructor, the public methods, ``memory()``, sleep and wake, and the
-model's step (one forward under the swaps of ``_fused``, ``_gqa`` and ``_qkv``; a graph replay once
-captured, with ``_experts``' swap for a mixture-of-experts model). Beside it, one module per mechanism: the
-cache in its Region (``_cache``), the CUDA graphs and the length buckets (``_graphs``), the rollout copy and
-the FSDP twin (``_weights``), top-p and temperature sampling (``_sampling``), the decode loops of one batch
-at a time or kept full (``_generate``, over ``_slots``).
+model's step (one forward under the swaps of ``_fused``, ``_gqa``, ``_qkv`` and, with ``share_prompts``,
+``_prefix``; a graph replay once captured, with ``_experts``' swap for a mixture-of-experts model). Beside
+it, one module per mechanism: the cache in its Region (``_cache``), the CUDA graphs and the length buckets
+(``_graphs``), the rollout copy and the FSDP twin (``_weights``), top-p and temperature sampling
+(``_sampling``), the decode loops of one batch at a time or kept full (``_generate``, over ``_slots``), a
+group's prompt held once (``_prefix``).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ from ._cache import batch_size_for, into_region, kv_bytes_per_token, probe, stat
 from ._experts import experts_modules, static_experts
 from ._fused import fused as _fused
 from ._fused import kernels
-from ._generate import OwnStream, Run, check_request, generate_batch, generate_full
+from ._generate import OwnStream, Run, check_request, generate_batch, generate_full, shared_batch, shared_full
 from ._gqa import grouped_decode
 from ._graphs import CaptureError, Decode, DecodeGraphs, length_block
+from ._prefix import Prefix, SharedDecode, SharedLayout, groups_of, longest_run
 from ._qkv import FusedQKV
 from ._sampling import eval_mode
 from ._weights import attached_state, check_rollout_dtype, copy_parameters, first_param, rollout_copy, sharded
+from .config import shared_layout
 
 __all__ = ["HFSampler", "kv_bytes_per_token"]
 
@@ -99,6 +102,22 @@ class HFSampler:
             do not depend on which row it took.
         asleep: start asleep: the KV cache's addresses reserved, no memory taken until ``wake()`` (for a
             process that makes its sampler before it is given the device).
+        share_prompts: keep each prompt once in the KV cache for the rows that complete it. A ``generate``
+            call whose prompts come in runs of one prompt repeated, consecutive (a GRPO group; a server's
+            ``n``), prefills each prompt once and decodes its rows over its keys and values and their own:
+            the same Region holds ``prompts x (max_len - max_new_tokens) + rows x max_new_tokens`` token
+            columns instead of ``rows x max_len``, so more rows decode at once (:meth:`rows_for`;
+            ``config.kv_batch_shared`` sizes a cache for so many rows). Rows of one prompt take one group of
+            rows, so with ``refill`` a waiting prompt takes a group whose rows have all ended. A call with
+            no repeated prompt, or whose groups would take more of the cache than rows of their own, runs
+            as without it; so does every call of a model the shared step cannot serve
+            (``share_blocked`` says why: attention not through transformers' SDPA interface, a logit
+            softcap, attention sinks, a sliding window shorter than ``max_len``). ``last_layout`` says which
+            layout the last call ran. Greedy tokens equal the unshared layout's where its logits are not
+            within rounding of a tie (the attention is merged from two parts by their log-sum-exp: fp32
+            logits ~3e-6 apart on the test models, bf16 ones as far from fp32 as the unshared layout's),
+            and so does seeded sampling where the rows decode in the same order: every call that fits one
+            batch in both layouts, not a kept-full one (its rows are scheduled by group).
 
     Raises:
         ValueError: a size is not positive, the budget holds less than one sequence, ``kv_block`` is not a
@@ -125,13 +144,22 @@ class HFSampler:
         asleep: bool = False,
         gqa: str = "auto",
         refill: bool = True,
+        share_prompts: bool = False,
     ) -> None:
         # The arguments first, before the weights and the cache take any memory.
         check_choice("cuda_graphs", cuda_graphs, ("auto", "on", "off"))
         check_choice("fused", fused, ("auto", "on", "off"))
         check_choice("gqa", gqa, ("auto", "off"))
         check_flag("refill", refill)
+        check_flag("share_prompts", share_prompts)
         self.refill = refill
+        self.share_prompts = share_prompts
+        # What a shared step's attention reads (``_prefix``); None: every call in the unshared layout.
+        self._prefix: Prefix | None = Prefix() if share_prompts else None
+        self.share_blocked: str | None = None  # why this model's prompts cannot be shared, once probed
+        self.last_layout = ""  # "shared" or "unshared": the layout the last generate call ran
+        self.last_rows = 0  # rows the last generate call decoded at once, at most
+        self._layouts: dict[tuple[int, int], SharedLayout] = {}  # by (max_new_tokens, rows per group)
         self.gqa = gqa == "auto"
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
@@ -215,7 +243,12 @@ class HFSampler:
         self.cache = static_cache(self.model.config, self.max_len, self._dtype)
         ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=device)
         with eval_mode(self._runner):
-            probe(self.cache, self._forward, ids, type(self.model).__name__)
+            if self._prefix is None:
+                probe(self.cache, self._forward, ids, type(self.model).__name__)
+            else:  # the same step, each layer's attention call seen: can the shared step stand in for it?
+                with self._prefix.recording(self.max_len):
+                    probe(self.cache, self._forward, ids, type(self.model).__name__)
+                self.share_blocked = self._prefix.verdict(len(self.cache.layers))
         # The fused projections' weights (``_qkv``): a copy derived from the weights, refreshed before each
         # generation, so it lives and sleeps with the cache. Not for a sharded model sampled as it is (its
         # weights are whole only inside its forward).
@@ -357,7 +390,11 @@ class HFSampler:
         swap = _fused(self._runner, self._kernels) if self.fused else contextlib.nullcontext()
         packed = grouped_decode(self._runner) if self.gqa else contextlib.nullcontext()
         qkv = self._qkv.swapped() if self._qkv is not None else contextlib.nullcontext()
-        with self._autocast(ids.device), swap, packed, qkv:
+        # Inside ``packed``: the shared step stands in for the attention in force (``_gqa``'s or SDPA).
+        shared = contextlib.nullcontext()
+        if self._prefix is not None and self._prefix.engaged:
+            shared = self._prefix.swap(self._runner)
+        with self._autocast(ids.device), swap, packed, qkv, shared:
             if self.weights is None:
                 out = self.model(**kwargs)
             else:  # the same modules (or the sharded model's twin) over the rollout copy
@@ -411,7 +448,7 @@ class HFSampler:
         if graph is None and self.cuda_graphs:
             graph = self._capturing(lambda: self._graphs.capture(d, length, self._captured_step))
         if graph is None:
-            return self._forward(d.ids, d.mask[..., :length], d.pos)
+            return self._forward(d.ids, d.step_mask(length), d.pos)
         graph.replay()
         assert d.logits is not None
         return d.logits
@@ -428,6 +465,70 @@ class HFSampler:
         self._follow_weights()
         return self._graphs.decoder(size, self.cache)
 
+    def _shared_decoder(self, layout: SharedLayout, groups: int) -> SharedDecode:
+        """The fixed decode buffers of ``groups`` groups of a shared layout (and their graphs)."""
+        self._follow_weights()
+        heads = layout.own[0][0].shape[1]
+        return self._graphs.shared_decoder(
+            (layout.own_cols, layout.group, groups),
+            lambda: SharedDecode(groups, layout.group, layout, heads, self._dtype, self.region.device),
+        )
+
+    def rows_for(self, group_size: int, max_new_tokens: int) -> int:
+        """Rows a ``generate`` call decodes at once whose prompts come in runs of ``group_size`` (each with
+        ``max_new_tokens``): ``batch_size`` in the unshared layout; with ``share_prompts`` (and a model it
+        serves), the rows of the shared layout of this cache where it holds more
+        (``config.shared_layout``: each group's prompt once in ``max_len - max_new_tokens`` columns).
+
+        Raises:
+            ValueError: a size is not a positive int, or ``max_new_tokens`` leaves no room for a prompt.
+        """
+        for name, v in (("group_size", group_size), ("max_new_tokens", max_new_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if max_new_tokens >= self.max_len:
+            raise ValueError(f"max_new_tokens must be below max_len={self.max_len}, got {max_new_tokens}")
+        if self._prefix is None or self.share_blocked is not None:
+            return self.batch_size
+        groups, per = shared_layout(
+            self.batch_size * self.max_len,
+            max_len=self.max_len,
+            max_new_tokens=max_new_tokens,
+            group_size=group_size,
+        )
+        return max(self.batch_size, groups * per)
+
+    def _shared_plan(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    ) -> tuple[SharedLayout, list[tuple[int, int]]] | None:
+        """The shared layout of a call and its groups, ``(first, count)`` each; None for the unshared one:
+        no repeated prompt, a model the shared step cannot serve, or groups that would take more of the
+        cache than as many rows of their own."""
+        if self._prefix is None or self.share_blocked is not None:
+            return None
+        most = longest_run(prompts)
+        capacity = self.batch_size * self.max_len
+        groups, per = shared_layout(
+            capacity, max_len=self.max_len, max_new_tokens=max_new_tokens, group_size=most
+        )
+        if groups == 0:
+            return None
+        runs = groups_of(prompts, per)
+        if len(runs) * (self.max_len - max_new_tokens + per * max_new_tokens) >= len(prompts) * self.max_len:
+            return None
+        layout = self._layouts.get((max_new_tokens, per))
+        if layout is None:
+            whole = [(layer.keys, layer.values) for layer in self.cache.layers]
+            layout = self._layouts[(max_new_tokens, per)] = SharedLayout(
+                whole,
+                groups=groups,
+                group=per,
+                max_len=self.max_len,
+                max_new_tokens=max_new_tokens,
+                block=self.kv_block,
+            )
+        return layout, runs
+
     def _check_awake(self, call: str) -> None:
         if self.region.paused or (self.weights_region is not None and self.weights_region.paused):
             raise RuntimeError(f"HFSampler is asleep: call wake() before {call}()")
@@ -436,7 +537,8 @@ class HFSampler:
     def capture(self) -> float:
         """Capture every decode graph now, each batch-size bucket over each cache-length bucket, instead of
         on first use (as a serving engine does at start-up); the graphs read the weights where they are now.
-        Nothing without CUDA graphs.
+        Nothing without CUDA graphs. With ``share_prompts``, the shared layout's graphs (a layout per
+        ``max_new_tokens`` and group size) are captured on first use.
 
         Returns:
             Seconds it took.
@@ -507,7 +609,13 @@ class HFSampler:
             if self._qkv is not None:  # the weights may have changed since the last generation
                 self._qkv.refresh(self._state)
             run = self._run()
-            if self.refill and len(prompts) > self.batch_size:
+            shared = self._shared_plan(prompts, max_new_tokens)
+            self.last_layout = "unshared" if shared is None else "shared"
+            self.last_rows = min(len(prompts), self.batch_size)
+            if shared is not None:
+                out = self._generate_shared(run, shared, prompts, max_new_tokens, temperature, top_p, gen)
+                self.tokens_generated += sum(len(o) for o in out)
+            elif self.refill and len(prompts) > self.batch_size:
                 out = generate_full(run, prompts, max_new_tokens, temperature, top_p, gen)
                 self.tokens_generated += sum(len(o) for o in out)
             else:
@@ -517,6 +625,29 @@ class HFSampler:
                     )
                     self.tokens_generated += sum(len(r) for r in rows)
                     out.extend(rows)
+        return out
+
+    def _generate_shared(
+        self,
+        run: Run,
+        shared: tuple[SharedLayout, list[tuple[int, int]]],
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator,
+    ) -> list[list[int]]:
+        """A call in the shared layout: kept full (``refill``) with more groups than it holds, else in
+        batches of as many groups as it holds."""
+        layout, runs = shared
+        self.last_rows = min(layout.rows, sum(c for _, c in runs[: layout.groups]))
+        if self.refill and len(runs) > layout.groups:
+            self.last_rows = layout.rows
+            return shared_full(run, layout, prompts, runs, max_new_tokens, temperature, top_p, gen)
+        out: list[list[int]] = []
+        for start in range(0, len(runs), layout.groups):
+            part = runs[start : start + layout.groups]
+            out.extend(shared_batch(run, layout, prompts, part, max_new_tokens, temperature, top_p, gen))
         return out
 
     def _run(self) -> Run:
@@ -532,4 +663,6 @@ class HFSampler:
             pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id,
             sync_every=self.sync_every,
+            prefix=self._prefix,
+            shared_decoder=self._shared_decoder,
         )
