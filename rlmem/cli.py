@@ -26,6 +26,7 @@ _BENCHES = (
     "trl",
     "verify",
     "verl",
+    "prefix",
 )
 
 

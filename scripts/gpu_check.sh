@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs rlmem's tests (CUDA ones included) and benchmarks on a GPU machine in one call.
 # Logs and benchmark JSON go to $OUT (flat, so the device tool brings them back).
-# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-verify|bench-verl|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu|server-gpus|comm-gpus|tests-gpus|megatron-4] [args...]
+# Usage: RLMEM_MACHINE=nvidia-h100-x1 scripts/gpu_check.sh [all|tests|families|bench|bench-region|bench-phase|bench-grpo|bench-act|bench-tokens|bench-plan|bench-vmm|bench-verify|bench-verl|bench-prefix|prefix-tests|bench-megatron|bench-rollout|bench-numa|bench-real|bench-colocate|bench-server|bench-trl|serve|refactor-ab|train-real|comm|comm-patch|comm-debug|grpo-dist|two-gpu|bench-two-gpu|server-gpus|comm-gpus|tests-gpus|megatron-4] [args...]
 # comm (2 GPUs): tests/test_comm.py and rlmem bench comm; with a newer libnccl assembled by scripts/nccl_parts.sh
 # (/tmp/rlmem-nccl/libnccl.so.2), torch loads that one (LD_PRELOAD) and the suspend path runs.
 # comm passes its args to rlmem bench comm (COMM_TESTS=0 skips tests/test_comm.py; COMM_VARIANTS picks the NCCL
@@ -16,6 +16,9 @@
 # MEGATRON4_TESTS=0 skips the tests). Carry .whl with megatron-core. With --comms suspend (every NCCL group
 # suspended while the state is away) the carried NCCL is loaded and the file is megatron_parallel_suspend-*.
 # bench-colocate passes its args to rlmem bench colocate (e.g. --parts handoff --merge).
+# prefix-tests: the CUDA tests of the sampler (its two rooms, rollout/sampler and rollout/remote), serve, colocate and
+# a group's shared prompt (tests/test_prefix_sampler.py, tests/test_shared_prompts.py); args go to pytest.
+# bench-prefix passes its args to rlmem bench prefix (e.g. --no-train --merge).
 # serve runs the CUDA tests of rlmem serve, engine=server and the two-process handoff (args go to pytest);
 # bench-server passes its args to rlmem bench grpo_colocated --engine server (e.g. --parts big-offload --merge).
 # Carry .whl (torch_memory_saver 0.0.10 for the phase_switch comparison, megatron-core 0.16.1 cp312 for the
@@ -265,6 +268,19 @@ if [[ $what == bench-verl ]]; then
     python3 -m pytest tests/test_state.py tests/test_state_process.py -q -m cuda 2>&1 | tee "$OUT/tests_state_cuda.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   fi
+fi
+if [[ $what == prefix-tests ]]; then
+  python3 -m pytest -q -rs -m cuda tests/test_hf_sampler.py tests/test_gqa.py tests/test_slots.py tests/test_qkv.py \
+    tests/test_experts.py tests/test_prefix_sampler.py tests/test_shared_prompts.py tests/test_serve.py \
+    tests/test_serve_train.py tests/test_remote_engine.py tests/test_vllm_ipc.py tests/test_colocate_handoff.py \
+    tests/test_colocate_weights.py "$@" 2>&1 | tee "$OUT/tests_prefix.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $what == bench-prefix ]]; then
+  [[ -f bench/results/prefix-$name.json ]] && cp "bench/results/prefix-$name.json" "$OUT/"
+  bounded 30 python3 -m rlmem bench prefix --machine "$name" --json "$OUT/prefix-$name.json" "$@" \
+    2>&1 | tee "$OUT/bench_prefix.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $what == bench-vmm ]]; then
   python3 -m rlmem bench vmm_calls --machine "$name" --json "$OUT/vmm_calls-$name.json" "$@" 2>&1 | tee "$OUT/bench_vmm_calls.log"

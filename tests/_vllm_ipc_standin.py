@@ -76,7 +76,12 @@ class Handler(JSONHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
         try:
-            if self.path == "/init_weight_transfer_engine":
+            if self.path.split("?")[0] in (
+                "/pause",
+                "/resume",
+            ):  # vLLM 0.32's scheduling pause, around updates
+                state["paused"] = self.path.startswith("/pause")
+            elif self.path == "/init_weight_transfer_engine":
                 state["packed"] = bool(body["init_info"].get("packed", False))
             elif self.path == "/start_weight_update":
                 state["updating"] = True

@@ -531,3 +531,35 @@ def test_verl_summary_from_the_committed_rows_and_a_part_that_diverges():
     del by["rlmem"]
     short = verl.summarize(by, data["config"]["parts"], data["pinned_link"])
     assert short["bit_identical"] == 0.0 and "steady_vs_verl" not in short
+
+
+def test_prefix_summary_takes_the_headline_cell_and_the_train_phase():
+    from rlmem.benchmarks import prefix
+
+    def cell(p, g, r, kv, x):
+        side = {"greedy_gap": {"max": 0.1}}
+        return {"prompt_len": p, "group_size": g, "new_tokens": r, "kv_bytes_ratio": kv, "rollout_speedup": x,
+                "same_greedy_tokens": 0.5, "shared": side, "unshared": side}  # fmt: skip
+
+    cells = [cell(512, 8, 256, 0.44, 2.0), cell(*prefix.HEADLINE, 0.1667, 4.3)]
+    s = prefix.summarize(cells, {"train_phase_speedup": 3.4, "train_peak_ratio": 0.33})
+    assert (s["kv_bytes_ratio"], s["rollout_speedup"]) == (0.1667, 4.3)
+    assert (s["train_phase_speedup"], s["train_peak_ratio"]) == (3.4, 0.33)
+    assert prefix.summarize(cells[:1], None) == {}  # no headline cell: nothing to check
+
+
+def test_prefix_cells_on_the_host_hold_more_rows_in_the_same_bytes_for_the_same_tokens():
+    # both layouts of one small cell of the tiny preset, as the benchmark runs them on a GPU
+    import torch
+
+    from rlmem.benchmarks import prefix
+    from rlmem.models.presets import build, vocab_size
+
+    model = build("qwen2-tiny", torch.device("cpu"), torch.float32).eval()
+    res = prefix.rollout_cell(model, 32, 4, 8, 4, vocab_size("qwen2-tiny"), torch.device("cpu"))
+    assert res["unshared"]["kv_cache_bytes"] == res["shared"]["kv_cache_bytes"]  # one budget
+    assert res["shared"]["rows"] > res["unshared"]["rows"]
+    assert res["kv_bytes_ratio"] == res["unshared"]["rows"] / res["shared"]["rows"]
+    assert res["kv_bytes_ratio"] >= res["kv_bytes_floor"]
+    assert res["same_greedy_tokens"] == 1.0  # fp32 on the host: the same tokens
+    assert res["shared"]["greedy_gap"]["max"] == res["unshared"]["greedy_gap"]["max"] == 0.0

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from _models import grouped_model, reference  # noqa: E402
 
-from rlmem.rollout import HFSampler, _gqa  # noqa: E402
+from rlmem.rollout.sampler import HFSampler, _gqa  # noqa: E402
 
 HEADS, KV = 8, 2
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8], [11, 12], [3, 3, 3, 9, 10, 6], [20]]

@@ -25,6 +25,7 @@ import random
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from .._extras import require
 from ..data.batching import token_budget_batches
 from ..monitor.timeline import MemoryTimeline
 from ..rollout.remote.server_rollout import EngineLostError
-from . import checkpoint, identity
+from . import checkpoint, identity, shared_prompts
 from .config import GRPOConfig, train_parser
 from .policy import Policy
 from .prompts import PromptSource, make_prompts
@@ -161,6 +162,7 @@ def _train(
     track(tl, policy)
     copy = f", rollout {str(rt.rollout_dtype).removeprefix('torch.')}" if rt.rollout_dtype else ""
     say(banner(cfg, policy.n_params, rt.world, rt.device, rt.precision + copy, pm.enabled))
+    share = _share_prompts(cfg, policy, prompts.max_len, say)
     saved_at = start if cfg.resume is not None and start else None
     done, updating, interrupted, together = start, False, False, True
     lost: EngineLostError | None = None
@@ -216,12 +218,20 @@ def _train(
                         adv = group_advantages(rewards, cfg.group_size)
                         seqs = [p + c for p, c in zip(group, comps, strict=True)]
                         b = make_batch(seqs, [len(p) for p in group], prompts.pad_id)
+                        groups = (
+                            shared_prompts.Groups.from_rows(group, comps, cfg.group_size, prompts.pad_id)
+                            if share
+                            else None
+                        )
                         t1 = time.perf_counter()
-                        old, refs = _score(policy, b, cfg.micro_batch_size, rt)  # on the host: waited for
+                        # on the host: waited for
+                        old, refs = _score(policy, b, cfg.micro_batch_size, rt, groups)
                         logprobs_s = time.perf_counter() - t1
                         tl.sample("train", step)
                         updating = True
-                        loss, kl, gnorm, skipped = _update(cfg, policy, rt, tl, b, adv, old, refs, step)
+                        loss, kl, gnorm, skipped = _update(
+                            cfg, policy, rt, tl, b, adv, old, refs, step, groups
+                        )
                         updating = False
                     rt.synchronize()
                     train_s = time.perf_counter() - t0 - score_s
@@ -320,14 +330,32 @@ def _evaluate(policy: Policy, prompts: PromptSource, rt: Runtime, tl: MemoryTime
             return prompts.evaluate(engine, rt.rank, rt.world, rt.ctl)
 
 
+def _share_prompts(cfg: GRPOConfig, policy: Policy, max_len: int, say: Any) -> bool:
+    """Whether scoring and training forward each group's prompt once (``share_prompts``, where the model's
+    attention allows it: :mod:`.shared_prompts`); otherwise every sample carries its own copy."""
+    if not cfg.share_prompts or cfg.group_size < 2:
+        return False
+    why = shared_prompts.unsupported(policy.model, max_len)
+    if why is not None:
+        say(f"share_prompts: {why}; each sample is scored with its own copy of the prompt")
+    return why is None
+
+
 def _score(
-    policy: Policy, b: dict[str, torch.Tensor], mbs: int, rt: Runtime
+    policy: Policy,
+    b: dict[str, torch.Tensor],
+    mbs: int,
+    rt: Runtime,
+    groups: shared_prompts.Groups | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the sampled tokens under the policy before the update (the ratio's denominator) and
-    under the reference model, which is brought in for this and sent back right after."""
+    under the reference model, which is brought in for this and sent back right after. With ``groups``
+    (prompts shared), micro-batches of whole groups, each prompt forwarded once."""
 
     @torch.no_grad()
     def score(m: nn.Module) -> torch.Tensor:
+        if groups is not None:
+            return _score_shared(m, groups, b["ids"].shape[1], mbs, rt)
         parts = []
         for i in range(0, b["ids"].shape[0], mbs):
             ids, attn = b["ids"][i : i + mbs].to(rt.device), b["attn"][i : i + mbs].to(rt.device)
@@ -345,6 +373,17 @@ def _score(
     return old, refs
 
 
+def _score_shared(
+    m: nn.Module, groups: shared_prompts.Groups, width: int, mbs: int, rt: Runtime
+) -> torch.Tensor:
+    parts = []
+    for chunks in shared_prompts.micro_batches(groups, range(groups.n_groups), mbs):
+        packed = groups.pack(chunks, width).to(rt.device)
+        with shared_prompts.packed_attention(m, packed):
+            parts.append(shared_prompts.packed_logprobs(m, packed, rt.autocast).cpu())
+    return torch.cat(parts)
+
+
 def _update(
     cfg: GRPOConfig,
     policy: Policy,
@@ -355,35 +394,53 @@ def _update(
     old: torch.Tensor,
     refs: torch.Tensor | None,
     step: int,
+    groups: shared_prompts.Groups | None = None,
 ) -> tuple[float, float, float, int]:
     """``updates_per_step`` optimizer steps over a shuffled split of the batch, each from micro-batches.
-    Returns (loss, summed KL, last gradient norm, optimizer steps skipped by the fp16 loss scaler)."""
+    With ``groups`` (prompts shared) whole groups are shuffled and split, and a micro-batch forwards each
+    prompt once. Returns (loss, summed KL, last gradient norm, optimizer steps skipped by the fp16 loss
+    scaler)."""
     model, opt, scaler, device = policy.model, policy.opt, rt.scaler, rt.device
-    n = b["ids"].shape[0]
+    n = b["ids"].shape[0] if groups is None else groups.n_groups
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + step))
     minis = [m for m in order.tensor_split(cfg.updates_per_step) if m.numel()]
     loss_sum = kl_sum = 0.0
     gnorm = 0.0
     skipped = 0
     for mini in minis:
-        denom = max(b["resp"][mini].sum().item(), 1.0)
-        for mb in micro_batches(cfg, b, mini, rt):
+        if groups is None:
+            denom = max(b["resp"][mini].sum().item(), 1.0)
+            parts: list[Any] = micro_batches(cfg, b, mini, rt)
+        else:
+            denom = max(b["resp"][groups.group_rows(mini.tolist())].sum().item(), 1.0)
+            parts = group_micro_batches(cfg, groups, mini, rt)
+        for mb in parts:
+            packed = None
+            if groups is not None:  # chunks of groups: a packed row each
+                chunks, mb = mb, groups.rows(mb)
             # Right-padded: a micro-batch needs only the columns of its longest sequence.
             w = int(b["attn"][mb].sum(1).max())
-            ids, attn = b["ids"][mb, :w].to(device), b["attn"][mb, :w].to(device)
+            if groups is not None:
+                packed = groups.pack(chunks, w).to(device)
             mask = b["resp"][mb, : w - 1].to(device)
-            logp = token_logprobs(model, ids, attn, rt.autocast)
-            loss, kl = grpo_loss(
-                logp,
-                old[mb, : w - 1].to(device),
-                refs[mb, : w - 1].to(device) if refs is not None else None,
-                adv[mb].to(device),
-                mask,
-                clip_eps=cfg.clip_eps,
-                kl_coef=cfg.kl_coef,
-                denom=denom,
-            )
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            # A gradient checkpoint's recompute runs the packed attention too: backward inside the block.
+            with nullcontext() if packed is None else shared_prompts.packed_attention(model, packed):
+                if packed is None:
+                    ids, attn = b["ids"][mb, :w].to(device), b["attn"][mb, :w].to(device)
+                    logp = token_logprobs(model, ids, attn, rt.autocast)
+                else:
+                    logp = shared_prompts.packed_logprobs(model, packed, rt.autocast)
+                loss, kl = grpo_loss(
+                    logp,
+                    old[mb, : w - 1].to(device),
+                    refs[mb, : w - 1].to(device) if refs is not None else None,
+                    adv[mb].to(device),
+                    mask,
+                    clip_eps=cfg.clip_eps,
+                    kl_coef=cfg.kl_coef,
+                    denom=denom,
+                )
+                (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += loss.item() / len(minis)
             kl_sum += kl.item()
         tl.sample("train", step)
@@ -417,6 +474,26 @@ def micro_batches(
     if most > len(parts):  # another rank needs more: cut this one's as finely
         parts = token_budget_batches(lengths, budget, padded=True, min_micro_batches=most)[0]
     return [mini[torch.tensor(p, dtype=torch.long)] for p in parts if p]
+
+
+def group_micro_batches(
+    cfg: GRPOConfig, groups: shared_prompts.Groups, mini: torch.Tensor, rt: Runtime
+) -> list[list[shared_prompts.Chunk]]:
+    """:func:`micro_batches` of a mini-batch of whole groups (``mini``: group indices) whose prompts are
+    shared: at most ``micro_batch_size`` rows each (whole groups, or a chunk of a larger group carrying the
+    prompt), or by token budget, a group (or chunk) costing its packed length."""
+    if not cfg.dynamic_batching:
+        return shared_prompts.micro_batches(groups, mini.tolist(), cfg.micro_batch_size)
+    budget = cfg.max_tokens_per_micro_batch
+    chunks = groups.fit(mini.tolist(), budget)
+    lengths = [groups.packed_length(c) for c in chunks]
+    parts = token_budget_batches(lengths, budget, padded=True)[0]
+    most = int(rt.all_reduce(torch.tensor([len(parts)]), op=dist.ReduceOp.MAX).item())
+    if most > len(parts):  # another rank needs more: cut this one's as finely, its groups in more chunks
+        chunks = groups.divide(chunks, most)  # every rank holds as many rows: enough for `most`
+        lengths = [groups.packed_length(c) for c in chunks]
+        parts = token_budget_batches(lengths, budget, padded=True, min_micro_batches=most)[0]
+    return [[chunks[i] for i in p] for p in parts if p]
 
 
 def main(argv: list[str] | None = None) -> int:
