@@ -385,3 +385,18 @@ def test_the_scripts_import_only_what_exists_and_no_private_part_unlisted():
     assert missing == []
     assert private - set(SCRIPT_PRIVATE_USES) == set()
     assert set(SCRIPT_PRIVATE_USES) - private == set()  # an exception no longer needed is removed
+
+
+def test_the_rollout_rooms_keep_apart():
+    # rollout/sampler (this process's sampler) imports nothing of rollout/remote (the clients of other
+    # processes); remote takes from the sampler its config alone (what rlmem serve is started with), and
+    # both share the engine protocol of rollout/engine.py
+    edges, _ = _imports(_modules())
+    crossing = sorted(
+        (a, b)
+        for a, bs in edges.items()
+        for b in bs
+        for here, there in (("sampler", "remote"), ("remote", "sampler"))
+        if a.startswith(f"rlmem.rollout.{here}") and b.startswith(f"rlmem.rollout.{there}")
+    )
+    assert crossing == [("rlmem.rollout.remote.server_rollout", "rlmem.rollout.sampler.config")]
