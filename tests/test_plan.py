@@ -303,3 +303,21 @@ def test_step_peak_matches_cuda_allocator() -> None:
     measured = torch.cuda.max_memory_allocated(dev) - base
     est = estimate_memory(ModelShape.load(cfg), Workload(micro_batch_tokens=4096, seq_len=1024))
     assert est.train_peak_bytes == pytest.approx(measured, rel=0.10)
+
+
+def test_a_groups_prompt_held_once_counts_its_kv_once_and_prefills_once() -> None:
+    # share_prompts: 256 sequences of 2,304 tokens in groups of 16 hold 16 prompts of 2,048 and 256
+    # completions of 256: 0.167 of the columns, as HFSampler's shared layout holds them
+    base = dict(micro_batch_tokens=8192, seq_len=4096, rollout_batch=256, rollout_len=2304, prompt_len=2048)
+    own = estimate_memory("qwen2-2.5b", Workload(**base))
+    shared = estimate_memory("qwen2-2.5b", Workload(**base, group_size=16))
+    per_token = ModelShape.load("qwen2-2.5b").kv_bytes_per_token(2)
+    assert own.categories["KV cache"] == 256 * 2304 * per_token
+    assert shared.categories["KV cache"] == (16 * 2048 + 256 * 256) * per_token
+    assert shared.categories["KV cache"] / own.categories["KV cache"] == pytest.approx(1 / 6)
+    assert shared.rollout_peak_bytes < own.rollout_peak_bytes
+    assert Workload(**base, group_size=16).kv_tokens == 16 * 2048 + 256 * 256
+    with pytest.raises(ValueError, match="group_size > 1 holds each group's prompt once: give prompt_len"):
+        Workload(micro_batch_tokens=10, rollout_batch=4, rollout_len=8, group_size=2)
+    with pytest.raises(ValueError, match="group_size"):
+        Workload(micro_batch_tokens=10, group_size=0)

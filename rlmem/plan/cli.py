@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rollout-len", type=_count("--rollout-len"), default=0, help="prompt + completion tokens"
     )
     p.add_argument("--prompt-len", type=_count("--prompt-len"), default=0)
+    p.add_argument(
+        "--group-size",
+        type=_count("--group-size"),
+        default=1,
+        help="completions per prompt whose prompt the KV cache holds once (share_prompts; with --prompt-len)",
+    )
     p.add_argument("--kv-budget", default=None, help="fixed KV cache size, e.g. 20GiB")
     p.add_argument(
         "--engine", default="shared", choices=ENGINES, help="rollout on the training weights or not"
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             rollout_batch=args.rollout_batch,
             rollout_len=args.rollout_len,
             prompt_len=args.prompt_len,
+            group_size=args.group_size,
             kv_budget_bytes=parse_bytes(args.kv_budget, "--kv-budget") if args.kv_budget else 0,
             rollout_engine=args.engine,
             cuda_graphs=args.cuda_graphs,

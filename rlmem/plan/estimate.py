@@ -198,7 +198,7 @@ def estimate_memory(
     train_at = max(points, key=lambda k: points[k])
     train_peak = points[train_at]
 
-    kv = w.kv_budget_bytes or w.rollout_batch * w.rollout_len * shape.kv_bytes_per_token(b)
+    kv = w.kv_budget_bytes or w.kv_tokens * shape.kv_bytes_per_token(b)
     roll_pts: dict[str, int] = {}
     graph_pool = fused_qkv = 0
     if kv or w.rollout_batch:
@@ -212,6 +212,8 @@ def estimate_memory(
         else:
             weights, keep = P * b, (0 if o.offload_states else params + opt)
         nb = w.rollout_batch or 1
+        # a group's prompt is prefilled once (share_prompts): the prefill runs over the groups
+        nb_prefill = -(-nb // w.group_size)
         S = w.prompt_len or w.rollout_len or 1
         M = w.rollout_len or S  # a static cache: attention runs over all of its positions
         q, kvd, i = shape.q_dim, shape.kv_dim, shape.intermediate_size
@@ -221,14 +223,14 @@ def estimate_memory(
             fused_qkv = shape.num_hidden_layers * (q + 2 * kvd) * (h + int(shape.attention_bias)) * b
         # With a padding mask, SDPA gets keys and values repeated to every query head (no native GQA
         # with masks), over the whole cache, one layer at a time; the mask is a bool and a float copy.
-        rep = 2 * nb * M * q * b if kvd < q else 0
-        mask = nb * S * M * (1 + b)
+        rep = 2 * nb_prefill * M * q * b if kvd < q else 0
+        mask = nb_prefill * S * M * (1 + b)
         # During a layer's MLP: SwiGLU's activation, up projection and product, beside four hidden-sized
         # tensors (the embeddings and the layer's input, both still referenced by HF's layer loop, the
         # residual and the normalised input); the bool mask lives through the whole forward.
         prefill = max(
-            nb * S * (3 * b * i + 4 * b * h) + nb * S * M,
-            rep + nb * S * (3 * b * q + 4 * b * h) + mask,
+            nb_prefill * S * (3 * b * i + 4 * b * h) + nb_prefill * S * M,
+            rep + nb_prefill * S * (3 * b * q + 4 * b * h) + mask,
         )
         # A decode step of rlmem's sampler reads a grouped model's cache as it is (``_gqa``): no repeat.
         decode = nb * M * (1 + b) + nb * 3 * b * i

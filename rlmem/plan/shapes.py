@@ -238,6 +238,9 @@ class Workload:
         rollout_batch, rollout_len: sequences generated together and their prompt + completion length
             (0: no rollout on this GPU).
         prompt_len: prompt tokens prefilled per sequence (default ``rollout_len``: an upper bound).
+        group_size: completions per prompt held once in the KV cache (``share_prompts``: each group's
+            ``prompt_len`` tokens once and each sequence's ``rollout_len - prompt_len`` of its own, one
+            prefill per group); 1: every sequence holds its own prompt.
         kv_budget_bytes: a fixed KV cache size, as an engine's memory fraction sets it (default: what
             ``rollout_batch x rollout_len`` needs).
         rollout_engine: ``shared`` (rollout runs on the training weights, as rlmem's HF sampler) or
@@ -264,6 +267,7 @@ class Workload:
     rollout_batch: int = 0
     rollout_len: int = 0
     prompt_len: int = 0
+    group_size: int = 1
     kv_budget_bytes: int = 0
     rollout_engine: str = "shared"
     cuda_context_bytes: int = 600 << 20
@@ -302,6 +306,21 @@ class Workload:
             raise ValueError(
                 f"Workload.prompt_len ({self.prompt_len}) must not exceed rollout_len ({self.rollout_len})"
             )
+        _positive("Workload", "group_size", self.group_size)
+        if self.group_size > 1 and not 0 < self.prompt_len < self.rollout_len:
+            raise ValueError(
+                "Workload.group_size > 1 holds each group's prompt once: give prompt_len, between 1 and "
+                f"rollout_len - 1 ({self.rollout_len - 1}); got prompt_len={self.prompt_len}"
+            )
+
+    @property
+    def kv_tokens(self) -> int:
+        """Token columns the rollout's KV cache holds: ``rollout_batch x rollout_len``, or with
+        ``group_size`` > 1 each group's prompt once and each sequence's completion."""
+        if self.group_size == 1:
+            return self.rollout_batch * self.rollout_len
+        groups = -(-self.rollout_batch // self.group_size)
+        return groups * self.prompt_len + self.rollout_batch * (self.rollout_len - self.prompt_len)
 
     @property
     def longest(self) -> int:
