@@ -29,7 +29,7 @@ import torch
 
 from ..models.presets import PRESETS, build, vocab_size
 from ..rollout.sampler import HFSampler, kv_bytes_per_token
-from ._common import format_table, sync
+from ._common import format_table, sync, timed
 from ._harness import Run
 
 NAME = "prefix"
@@ -55,11 +55,9 @@ def _prompts(n_groups: int, group: int, length: int, vocab: int, seed: int) -> l
 def _timed_call(
     sampler: HFSampler, prompts: list[list[int]], new: int, device: torch.device
 ) -> tuple[float, Any]:
-    sync(device)
-    t0 = time.perf_counter()
-    out = sampler.generate(prompts, max_new_tokens=new, temperature=0)
-    sync(device)
-    return time.perf_counter() - t0, out
+    got: list[Any] = []
+    seconds = timed(lambda: got.append(sampler.generate(prompts, max_new_tokens=new, temperature=0)), device)
+    return seconds, got[0]
 
 
 @torch.no_grad()
@@ -179,19 +177,13 @@ def train_phase(preset: str, p: int, g: int, r: int, groups: int, rows: int, dev
             base = torch.cuda.memory_allocated(device) if cuda else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            fn(False)
-            sync(device)
-            t1 = time.perf_counter()
-            fn(True)
-            opt.step()
+            score_s = timed(lambda fn=fn: fn(False), device)
+            update_s = timed(lambda fn=fn: (fn(True), opt.step()), device)
             opt.zero_grad(set_to_none=True)
-            sync(device)
-            t2 = time.perf_counter()
             out[name] = {
-                "score_s": t1 - t0,
-                "update_s": t2 - t1,
-                "train_phase_s": t2 - t0,
+                "score_s": score_s,
+                "update_s": update_s,
+                "train_phase_s": score_s + update_s,
                 "peak_above_state_bytes": torch.cuda.max_memory_allocated(device) - base if cuda else None,
             }
         except torch.OutOfMemoryError as e:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._lazy import moved_names
+from .._section import Section
 from .._units import parse_bytes
 from ..models.tokenizer import CHAT_TEMPLATES
 from ..rollout.engine import Sampling
@@ -58,18 +59,8 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-class _Section:
-    """A section of ``rlmem train``'s keys: defined, defaulted and validated once, in one class; its owner
-    takes it whole with :meth:`of`."""
-
-    @classmethod
-    def of(cls, config: Any) -> Any:
-        """This section of ``config`` (``GRPOConfig``, or any object with these keys as attributes)."""
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
-
-
 @dataclass(kw_only=True)
-class RunKeys(_Section):
+class RunKeys(Section):
     """The run itself: what it trains, where, how long, and what it writes (the loop's keys).
 
     Args:
@@ -129,7 +120,7 @@ class RunKeys(_Section):
 
 
 @dataclass(kw_only=True)
-class DataKeys(_Section):
+class DataKeys(Section):
     """The prompts and how they are scored: the keys :func:`rlmem.recipes.prompts.make_prompts` takes.
 
     Args:
@@ -191,7 +182,7 @@ class DataKeys(_Section):
 
 
 @dataclass(kw_only=True)
-class UpdateKeys(_Section):
+class UpdateKeys(Section):
     """The train phase: the optimizer, the GRPO loss and how a batch is cut (the update's keys).
 
     Args:
@@ -244,7 +235,7 @@ class UpdateKeys(_Section):
 
 
 @dataclass(kw_only=True)
-class RolloutKeys(_Section):
+class RolloutKeys(Section):
     """Where and with what the rollout samples (the engine's keys).
 
     Args:
@@ -305,7 +296,7 @@ class RolloutKeys(_Section):
 
 
 @dataclass(kw_only=True)
-class OffloadKeys(_Section):
+class OffloadKeys(Section):
     """How memory switches between the phases (the keys the recipe's one :class:`rlmem.PhaseManager` is
     built from, in :meth:`rlmem.recipes.policy.Policy.manage_memory`).
 

@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._attention import attending, register
+
 __all__ = [
     "FAMILIES",
     "NAME",
@@ -66,7 +68,6 @@ FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 # (pads) a mask whose rows are not a multiple of 16 elements (8 in some releases), in every layer.
 _ALIGN = 16
 
-_registered = False
 # The layout a forward runs with, by id(config): kept in a plain dict (not a context variable) because
 # autograd runs a checkpoint's recompute on its own device threads.
 _ACTIVE: dict[int, _Layout] = {}
@@ -404,16 +405,6 @@ def _attention(
     return torch.cat([out_prefix, out], 2).transpose(1, 2).contiguous(), None
 
 
-def _register() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-
-        # No mask function is registered under NAME: the model then builds no mask (the layout is the mask).
-        AttentionInterface.register(NAME, _attention)
-        _registered = True
-
-
 @contextlib.contextmanager
 def packed_attention(model: nn.Module, packed: Packed) -> Iterator[None]:
     """Within the block ``model`` attends by ``packed``'s layout (:func:`packed_logprobs`), and so does a
@@ -429,14 +420,13 @@ def packed_attention(model: nn.Module, packed: Packed) -> Iterator[None]:
     cfg = model.config
     if id(cfg) in _ACTIVE:
         raise RuntimeError("packed_attention is already in force for this model")
-    _register()
-    before = cfg._attn_implementation
+    # no mask function under NAME: the model then builds no mask (the layout is the mask)
+    register(NAME, _attention, sdpa_mask=False)
     _ACTIVE[id(cfg)] = _Layout(packed)
-    cfg._attn_implementation = NAME
     try:
-        yield
+        with attending(cfg, NAME):
+            yield
     finally:
-        cfg._attn_implementation = before
         del _ACTIVE[id(cfg)]
 
 

@@ -15,13 +15,13 @@ length.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from .._checks import TAGS, check_int, check_sampling, check_tags
+from .._section import Section
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -54,7 +54,7 @@ def generation_length(max_new_tokens: int | None, *, room: int | None = None) ->
 
 
 @dataclass(kw_only=True)
-class Sampling:
+class Sampling(Section):
     """How a rollout samples: the keys ``max_new_tokens``, ``temperature`` and ``top_p`` of ``rlmem train``,
     defined, defaulted and validated here once, and handed whole to the engine's ``generate``.
 
@@ -77,11 +77,6 @@ class Sampling:
         if self.max_new_tokens is not None:
             generation_length(self.max_new_tokens)
         check_sampling(self.temperature, self.top_p)
-
-    @classmethod
-    def of(cls, config: Any) -> Sampling:
-        """This section of ``config`` (any object with these keys as attributes, e.g. ``GRPOConfig``)."""
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
     def generate_kwargs(self, *, room: int | None = None) -> dict[str, Any]:
         """The keyword arguments of an engine's ``generate``: the generation length resolved (``room``: see

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._attention import attending, register
+
 __all__ = ["NAME", "grouped_decode"]
 
 NAME = "rlmem_grouped_decode"
-_registered = False
 
 
 def _attention(
@@ -67,18 +68,6 @@ def _attention(
     return out.reshape(b, h, 1, d).transpose(1, 2), None
 
 
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(NAME, _attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    _registered = True
-
-
 def grouped(model: nn.Module) -> bool:
     """Whether ``model`` attends with SDPA over fewer KV heads than query heads (what the swap applies to)."""
     cfg = getattr(model, "config", None)
@@ -96,11 +85,6 @@ def grouped_decode(model: nn.Module) -> Iterator[bool]:
     if not grouped(model):
         yield False
         return
-    _register()
-    cfg = model.config
-    before = cfg._attn_implementation
-    cfg._attn_implementation = NAME
-    try:
+    register(NAME, _attention)
+    with attending(model.config, NAME):
         yield True
-    finally:
-        cfg._attn_implementation = before

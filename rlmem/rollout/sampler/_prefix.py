@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..._attention import attending, register
 from ..._units import round_up
 from ._gqa import NAME as GROUPED
 from ._graphs import Decode
@@ -45,7 +46,6 @@ from ._graphs import Decode
 __all__ = ["NAME", "Prefix", "SharedDecode", "SharedLayout", "groups_of"]
 
 NAME = "rlmem_shared_prefix"
-_registered = False
 # The sampler's holder of each model config in a swap, by id: what the registered function reads.
 _HOLDERS: dict[int, Prefix] = {}
 # The attention implementations the shared step stands in for (their arithmetic is SDPA's).
@@ -220,18 +220,16 @@ class Prefix:
         """Within the block, ``model``'s attention goes through :func:`_attention`, which runs the attention
         in force before (``_gqa``'s, SDPA) for everything but a shared step."""
         cfg = model.config
-        before = cfg._attn_implementation
-        self.inner = before
-        if before not in _SDPA:  # not SDPA's arithmetic: nothing to stand in for (``verdict`` says so)
+        self.inner = cfg._attn_implementation
+        if self.inner not in _SDPA:  # not SDPA's arithmetic: nothing to stand in for (``verdict`` says so)
             yield
             return
-        _register()
-        cfg._attn_implementation = NAME
+        register(NAME, _attention)
         _HOLDERS[id(cfg)] = self
         try:
-            yield
+            with attending(cfg, NAME):
+                yield
         finally:
-            cfg._attn_implementation = before
             _HOLDERS.pop(id(cfg), None)
 
     @contextlib.contextmanager
@@ -384,15 +382,3 @@ def _attention(
         )
     assert p is not None and attention_mask is not None
     return p.attend(module, query, key, value, attention_mask, scaling), None
-
-
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(NAME, _attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    _registered = True
